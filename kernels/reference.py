@@ -1,0 +1,209 @@
+"""Plain-torch kernels: the contract every Triton kernel in `conveyor.kernels.triton` matches, and the CPU path.
+
+Layouts follow vLLM's so that kernels, model code and the block manager agree:
+
+- packed tokens: the step's tokens of all sequences are concatenated, no padding; `num_tokens` rows.
+- KV cache of one layer: `key_cache`, `value_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+- `slot_mapping[t] = block_id * block_size + offset` is where token `t`'s K/V is written.
+- `block_tables[b, i]` is the i-th block of sequence `b` (int32, padded with 0 past its last block).
+- `query_start_loc[b]:query_start_loc[b + 1]` are sequence `b`'s query rows; they are the last
+  `q_len` tokens of its `seq_lens[b]` tokens of context, all of which are already in the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the step's K/V into the paged cache, in place.
+
+    key, value: `[num_tokens, num_kv_heads, head_dim]`, same dtype as the caches.
+    key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    slot_mapping: `[num_tokens]` int64; a negative slot means "do not write" (vLLM's padding convention).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """`[B, max_blocks]` block ids -> `[B, max_seq_len, num_kv_heads, head_dim]` (positions past a
+    sequence's length hold whatever its padding blocks hold; callers mask them)."""
+    block_size = cache.shape[1]
+    num_blocks_needed = -(-max_seq_len // block_size)
+    gathered = cache[block_tables[:, :num_blocks_needed].long()]  # [B, nb, bs, kvh, d]
+    batch = gathered.shape[0]
+    return gathered.reshape(batch, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_seq_len]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Causal attention of packed queries over each sequence's paged K/V, with grouped-query attention.
+
+    query: `[num_tokens, num_heads, head_dim]`; `num_heads` is a multiple of the caches' `num_kv_heads`.
+    block_tables: `[num_seqs, max_blocks_per_seq]` int32. query_start_loc: `[num_seqs + 1]` int32.
+    seq_lens: `[num_seqs]` int32, context length including this step's tokens.
+    max_query_len, max_seq_len: Python ints, the maxima of the per-sequence query and context lengths.
+    Returns `[num_tokens, num_heads, head_dim]` in the query's dtype.
+
+    Query row `i` of sequence `b` sits at absolute position `seq_lens[b] - q_len + i` and attends to
+    positions `0 ..= that position` (decode: `q_len == 1`; prefill and chunked prefill: `q_len > 1`).
+    Decode rows are computed as one padded batch; sequences with `q_len > 1` one at a time, so a mixed
+    step pays no padding for its long prefills.
+    """
+    num_seqs = seq_lens.shape[0]
+    num_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    groups = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    starts = query_start_loc[:-1].tolist()
+    lens = seq_lens.tolist()
+
+    decode_idx = [b for b in range(num_seqs) if q_lens[b] == 1]
+    if decode_idx:
+        rows = torch.tensor([starts[b] for b in decode_idx], dtype=torch.long, device=query.device)
+        tables = block_tables[decode_idx] if len(decode_idx) < num_seqs else block_tables
+        ctx = max(lens[b] for b in decode_idx)
+        k = _gather_kv(key_cache, tables, ctx)  # [D, ctx, kvh, d]
+        v = _gather_kv(value_cache, tables, ctx)
+        dlens = torch.tensor([lens[b] for b in decode_idx], device=query.device)
+        mask = torch.arange(ctx, device=query.device)[None, :] < dlens[:, None]  # [D, ctx]
+        # Fold the query heads of one KV head into the "query length" axis: one SDPA call, no K/V repeat.
+        q = query[rows].view(len(decode_idx), num_kv_heads, groups, -1)  # [D, kvh, g, d]
+        k = k.transpose(1, 2)  # [D, kvh, ctx, d]
+        v = v.transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        out[rows] = o.reshape(len(decode_idx), num_heads, -1)
+
+    for b in range(num_seqs):
+        q_len = q_lens[b]
+        if q_len == 1:
+            continue
+        seq_len = lens[b]
+        k = _gather_kv(key_cache, block_tables[b : b + 1], seq_len)[0]  # [seq_len, kvh, d]
+        v = _gather_kv(value_cache, block_tables[b : b + 1], seq_len)[0]
+        q = query[starts[b] : starts[b] + q_len]  # [q_len, h, d]
+        q = q.transpose(0, 1)  # [h, q_len, d]
+        k = k.transpose(0, 1)  # [kvh, seq_len, d]
+        v = v.transpose(0, 1)
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Chunk of a longer context: row i sees the cached prefix plus its own causal part.
+            pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[starts[b] : starts[b] + q_len] = o.transpose(0, 1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) as in Llama: computed in float32, cast back.
+
+    x: `[num_tokens, hidden_size]`; weight: `[hidden_size]`. Returns x's shape and dtype.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual = x + residual; return rms_norm(residual), residual`.
+
+    x, residual: `[num_tokens, hidden_size]`; weight: `[hidden_size]`.
+    Returns (normalized, new residual), both `[num_tokens, hidden_size]` in x's dtype.
+    """
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rope_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rotary-embedding table `[max_position, head_dim]`: cos in the first half, sin in the second.
+
+    rope_scaling: a Hugging Face `rope_scaling` dict or None. Supported `rope_type`s: `default`,
+    `linear` (positions divided by `factor`) and `llama3` (Llama 3.1's frequency-dependent scaling:
+    wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
+    below `... / high_freq_factor` kept, and smoothly interpolated between). Others raise ValueError.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    positions = torch.arange(max_position, dtype=torch.float64)
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type == "linear":
+        positions = positions / rope_scaling["factor"]
+    elif rope_type == "llama3":
+        factor = rope_scaling["factor"]
+        low = rope_scaling.get("low_freq_factor", 1.0)
+        high = rope_scaling.get("high_freq_factor", 4.0)
+        old_len = rope_scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif rope_type != "default":
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary position embedding (Su et al. 2021) in the GPT-NeoX layout Llama uses: the first and
+    second halves of each head are the rotated pairs.
+
+    positions: `[num_tokens]` int64. query: `[num_tokens, num_heads, head_dim]`;
+    key: `[num_tokens, num_kv_heads, head_dim]`. cos_sin_cache: `[max_position, head_dim]` float32
+    (see `rope_cos_sin_cache`). Returns rotated (query, key) in their dtypes.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, d/2] each
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: `silu(x[:, :I]) * x[:, I:]`. x: `[num_tokens, 2 * I]` -> `[num_tokens, I]`."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

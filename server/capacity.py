@@ -1,0 +1,137 @@
+"""KV-cache capacity math, shared by the server (pool sizing) and the operator (replica sizing).
+
+Pure Python: no torch import, so the operator image stays small. Formulas (DESIGN.md, as in vLLM's
+`gpu_memory_utilization` profiling and its "maximum concurrency" log line):
+
+    kv_bytes_per_token = 2 * num_layers * (num_kv_heads / tensor_parallel_size) * head_dim * dtype_bytes
+    kv_pool_bytes      = gpu_memory_bytes * gpu_memory_utilization * num_gpus - weight_bytes
+                         - activation_reserve_bytes
+    max_num_seqs       = floor(kv_pool_bytes / (kv_bytes_per_token_all_gpus * max_model_len))
+    num_kv_blocks      = floor(kv_pool_bytes / (kv_bytes_per_token_all_gpus * block_size))
+
+`kv_bytes_per_token` is reported per GPU (what one GPU stores for one token); the pool spans all
+`num_gpus`, so pool divisions use the per-token bytes summed over the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+class InsufficientGPUMemoryError(ValueError):
+    """The weights (plus the activation reserve) do not fit in the usable GPU memory.
+
+    Attributes are bytes: `required_bytes` (weights + reserve), `available_bytes` (usable memory),
+    `shortfall_bytes` (their difference, > 0).
+    """
+
+    def __init__(self, required_bytes: int, available_bytes: int) -> None:
+        self.required_bytes = required_bytes
+        self.available_bytes = available_bytes
+        self.shortfall_bytes = required_bytes - available_bytes
+        super().__init__(
+            f"model weights and activation reserve need {required_bytes / 2**30:.2f} GiB but only "
+            f"{available_bytes / 2**30:.2f} GiB of GPU memory is usable: short by "
+            f"{self.shortfall_bytes / 2**30:.2f} GiB"
+        )
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a KV-cache dtype name (`float16`, `bfloat16`, `float32`, `fp8`).
+
+    Raises ValueError for an unknown name.
+    """
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, tensor_parallel_size: int = 1
+) -> int:
+    """Bytes of K and V that one GPU stores per token.
+
+    With tensor parallelism the KV heads are split across GPUs; a KV head is replicated when there are
+    fewer KV heads than GPUs (as vLLM does), so each GPU holds `max(1, num_kv_heads // tp)` heads.
+    """
+    if min(num_layers, num_kv_heads, head_dim, tensor_parallel_size) < 1:
+        raise ValueError("num_layers, num_kv_heads, head_dim and tensor_parallel_size must be >= 1")
+    heads_per_gpu = max(1, num_kv_heads // tensor_parallel_size)
+    return 2 * num_layers * heads_per_gpu * head_dim * dtype_bytes(dtype)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """The result of `plan_capacity`. Bytes and token counts; `max_num_seqs` is the number of sequences
+    of `max_model_len` tokens whose KV fits in the pool at once."""
+
+    kv_bytes_per_token: int
+    kv_pool_bytes: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of `max_model_len` tokens that fit, unrounded (vLLM's "maximum concurrency")."""
+        return self.num_kv_blocks * self.block_size / self.max_model_len
+
+
+def plan_capacity(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    gpu_memory_bytes: int,
+    weight_bytes: int,
+    max_model_len: int,
+    gpu_memory_utilization: float = 0.9,
+    num_gpus: int = 1,
+    tensor_parallel_size: int | None = None,
+    activation_reserve_bytes: int = 0,
+    block_size: int = 16,
+) -> CapacityPlan:
+    """Size the KV pool of one replica of `num_gpus` GPUs.
+
+    gpu_memory_bytes: memory of one GPU. weight_bytes: all weights of the replica.
+    tensor_parallel_size defaults to `num_gpus`. Raises InsufficientGPUMemoryError when the weights and
+    reserve do not fit, ValueError on nonsensical inputs.
+    """
+    tp = num_gpus if tensor_parallel_size is None else tensor_parallel_size
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if max_model_len < 1 or block_size < 1 or num_gpus < 1:
+        raise ValueError("max_model_len, block_size and num_gpus must be >= 1")
+    per_gpu = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, tp)
+    usable = int(gpu_memory_bytes * gpu_memory_utilization * num_gpus)
+    required = weight_bytes + activation_reserve_bytes
+    if required >= usable:
+        raise InsufficientGPUMemoryError(required, usable)
+    pool = usable - required
+    per_token_all = per_gpu * tp
+    return CapacityPlan(
+        kv_bytes_per_token=per_gpu,
+        kv_pool_bytes=pool,
+        max_num_seqs=math.floor(pool / (per_token_all * max_model_len)),
+        num_kv_blocks=math.floor(pool / (per_token_all * block_size)),
+        block_size=block_size,
+        max_model_len=max_model_len,
+    )
+
+
+def num_kv_blocks_for_pool(kv_pool_bytes: int, kv_bytes_per_token_all_gpus: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that fit in a pool of `kv_pool_bytes` bytes (server start-up)."""
+    return kv_pool_bytes // (kv_bytes_per_token_all_gpus * block_size)
