@@ -1,0 +1,85 @@
+"""The streaming client against canned SSE responses (no server)."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from conveyor.benchmarks.client import CHAT_COMPLETIONS, RequestSettings, build_payload, send_request
+from conveyor.benchmarks.datasets import SampleRequest
+
+
+def _sse(*events: dict | str) -> bytes:
+    lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events]
+    return "".join(lines).encode()
+
+
+def _run(handler, sample, settings=None):
+    settings = settings or RequestSettings(model="m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await send_request(client, "http://test", sample, settings, time.perf_counter())
+
+    return asyncio.run(go())
+
+
+def test_payload_asks_for_exact_output_length():
+    payload = build_payload(SampleRequest([5, 6, 7], 3, 12), RequestSettings(model="smol"))
+    assert payload == {
+        "model": "smol",
+        "prompt": [5, 6, 7],
+        "max_tokens": 12,
+        "min_tokens": 12,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def test_chat_payload_needs_text():
+    settings = RequestSettings(model="smol", endpoint=CHAT_COMPLETIONS, exact_output=False)
+    payload = build_payload(SampleRequest("hi", 1, 2), settings)
+    assert payload["messages"] == [{"role": "user", "content": "hi"}]
+    assert "ignore_eos" not in payload
+    with pytest.raises(ValueError):
+        build_payload(SampleRequest([1], 1, 2), settings)
+
+
+def test_stream_is_timed_per_chunk_and_counted_from_usage():
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["body"] = json.loads(request.content)
+        seen["path"] = request.url.path
+        body = _sse(
+            {"choices": [{"index": 0, "text": "a"}]},
+            {"choices": [{"index": 0, "text": "b"}]},
+            {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}},
+            "[DONE]",
+        )
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    record = _run(handler, SampleRequest([1, 2, 3], 3, 4))
+    assert seen["path"] == "/v1/completions"
+    assert seen["body"]["prompt"] == [1, 2, 3]
+    assert record.success
+    assert record.output_len == 4  # usage wins over the 3 chunks
+    assert record.prompt_len == 3
+    assert len(record.itl_s) == 2
+    assert record.latency_s >= record.ttft_s >= 0
+
+
+def test_http_error_is_a_failed_record():
+    record = _run(lambda r: httpx.Response(400, json={"error": {"message": "bad"}}), SampleRequest([1], 1, 2))
+    assert not record.success
+    assert record.error.startswith("HTTP 400")
+
+
+def test_stream_without_tokens_fails():
+    record = _run(lambda r: httpx.Response(200, content=_sse("[DONE]")), SampleRequest([1], 1, 2))
+    assert not record.success
+    assert "without a token" in record.error
