@@ -1,0 +1,197 @@
+"""Known GPU types (memory, node label) and model shapes, the inputs of the KV-capacity plan.
+
+Pure data and lookups, no I/O. An InferenceService names a GPU type and a model; anything the catalog
+does not know must come from the spec's overrides (`resources.gpuMemory`, `model.layers` ...), and an
+unknown name without overrides is an error (`UnknownGPUTypeError`, `UnknownModelError`), never a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 2**20
+GiB = 2**30
+
+# Memory the GPU itself needs for activations, CUDA graphs and the NCCL/cuBLAS workspaces, kept out of
+# the KV pool. vLLM measures this with a profiling forward pass at start-up; the operator has no GPU,
+# so it reserves a fixed amount per GPU that covers 7-8B models at the default batch token budget.
+# The server measures real free memory at start and never schedules past it, so this only has to be
+# conservative enough that the planned `--max-num-seqs` is reachable.
+ACTIVATION_RESERVE_BYTES_PER_GPU = 1 * GiB
+
+
+class UnknownGPUTypeError(LookupError):
+    """A GPU type the catalog does not know, with no `resources.gpuMemory` override."""
+
+    def __init__(self, gpu_type: str) -> None:
+        self.gpu_type = gpu_type
+        super().__init__(
+            f"unknown GPU type {gpu_type!r}; known types: {', '.join(sorted(GPUS))}; "
+            "set resources.gpuMemory (and a nodeSelector) for other GPUs"
+        )
+
+
+class UnknownModelError(LookupError):
+    """A model the catalog does not know, with its shape not (fully) given in the spec."""
+
+    def __init__(self, model_name: str, missing: list[str]) -> None:
+        self.model_name = model_name
+        self.missing = missing
+        super().__init__(
+            f"unknown model {model_name!r}: set model.{', model.'.join(missing)} in the spec "
+            f"or use a known model ({', '.join(sorted(MODELS))})"
+        )
+
+
+@dataclass(frozen=True)
+class GPUType:
+    """One GPU model: total memory in bytes as `nvidia-smi` reports it, and the value of the
+    `nvidia.com/gpu.product` node label that NVIDIA's GPU feature discovery sets for it."""
+
+    name: str
+    memory_bytes: int
+    product_label: str
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV-capacity math needs from a model's config.json, plus its parameter count.
+
+    `max_position_embeddings` is the longest context the model was trained for (tokens), None when the
+    shape comes only from spec overrides.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: int
+    max_position_embeddings: int | None
+
+
+# Total memory from `nvidia-smi --query-gpu=memory.total` (MiB); product labels from GPU feature
+# discovery on the common SKU (SXM for A100/H100/H200).
+GPUS: dict[str, GPUType] = {
+    g.name: g
+    for g in (
+        GPUType("a100-40gb", 40960 * MiB, "NVIDIA-A100-SXM4-40GB"),
+        GPUType("a100-80gb", 81920 * MiB, "NVIDIA-A100-SXM4-80GB"),
+        GPUType("h100-80gb", 81559 * MiB, "NVIDIA-H100-80GB-HBM3"),
+        GPUType("h200-141gb", 143771 * MiB, "NVIDIA-H200"),
+        GPUType("l40s", 46068 * MiB, "NVIDIA-L40S"),
+        GPUType("a10g", 23028 * MiB, "NVIDIA-A10G"),
+        GPUType("l4", 23034 * MiB, "NVIDIA-L4"),
+        GPUType("t4", 15360 * MiB, "Tesla-T4"),
+    )
+}
+
+GPU_ALIASES: dict[str, str] = {
+    "a100": "a100-80gb",
+    "a100-80g": "a100-80gb",
+    "a100-40g": "a100-40gb",
+    "h100": "h100-80gb",
+    "h200": "h200-141gb",
+    "l40s-48gb": "l40s",
+    "a10g-24gb": "a10g",
+    "l4-24gb": "l4",
+    "t4-16gb": "t4",
+}
+
+# Shapes from each model's config.json on the Hugging Face hub; parameter counts from its safetensors
+# index (embeddings included, since they occupy GPU memory too).
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        ModelShape("llama-3-8b", 32, 8, 128, 8_030_261_248, 8192),
+        ModelShape("llama-3.1-8b", 32, 8, 128, 8_030_261_248, 131072),
+        ModelShape("llama-3-70b", 80, 8, 128, 70_553_706_496, 8192),
+        ModelShape("llama-3.1-70b", 80, 8, 128, 70_553_706_496, 131072),
+        ModelShape("mistral-7b", 32, 8, 128, 7_241_732_096, 32768),
+        ModelShape("qwen2.5-7b", 28, 4, 128, 7_615_616_512, 32768),
+        ModelShape("smollm2-135m", 30, 3, 64, 134_515_008, 8192),
+    )
+}
+
+MODEL_ALIASES: dict[str, str] = {
+    "llama3-8b": "llama-3-8b",
+    "llama3-70b": "llama-3-70b",
+    "mistral-7b-v0.1": "mistral-7b",
+    "mistral-7b-v0.3": "mistral-7b",
+    "qwen2.5-7b": "qwen2.5-7b",
+}
+
+_MODEL_SUFFIXES = ("-instruct", "-chat", "-hf")
+
+
+def normalize_model_name(name: str) -> str:
+    """Catalog key for a model name or hub id: `meta-llama/Meta-Llama-3-8B-Instruct` -> `llama-3-8b`.
+
+    Drops the organisation, lower-cases, strips a `meta-` prefix and the usual fine-tune suffixes.
+    """
+    key = name.rsplit("/", 1)[-1].strip().lower()
+    key = key.removeprefix("meta-")
+    for suffix in _MODEL_SUFFIXES:
+        key = key.removesuffix(suffix)
+    return MODEL_ALIASES.get(key, key)
+
+
+def lookup_gpu(gpu_type: str) -> GPUType:
+    """The catalog entry for `gpu_type` (case-insensitive, aliases such as `h100`); raises
+    UnknownGPUTypeError."""
+    key = gpu_type.strip().lower()
+    key = GPU_ALIASES.get(key, key)
+    try:
+        return GPUS[key]
+    except KeyError:
+        raise UnknownGPUTypeError(gpu_type) from None
+
+
+def lookup_model(name: str) -> ModelShape | None:
+    """The catalog shape for a model name or hub id, or None when the catalog does not know it."""
+    return MODELS.get(normalize_model_name(name))
+
+
+def resolve_model_shape(
+    name: str,
+    *,
+    uri: str | None = None,
+    num_layers: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    num_params: int | None = None,
+) -> ModelShape:
+    """The model's shape with the spec's overrides applied over the catalog entry.
+
+    The catalog is searched by `name`, then by the last path element of `uri`
+    (`hf://meta-llama/Meta-Llama-3-8B-Instruct`). Raises UnknownModelError naming the missing fields
+    when neither the catalog nor the overrides give a complete shape.
+    """
+    known = lookup_model(name)
+    if known is None and uri:
+        known = lookup_model(uri.rstrip("/"))
+    overrides = {
+        "layers": num_layers,
+        "kvHeads": num_kv_heads,
+        "headDim": head_dim,
+        "params": num_params,
+    }
+    if known is None:
+        missing = [field for field, value in overrides.items() if value is None]
+        if missing:
+            raise UnknownModelError(name, missing)
+        return ModelShape(
+            name=name,
+            num_layers=num_layers,  # type: ignore[arg-type]  # checked by `missing` above
+            num_kv_heads=num_kv_heads,  # type: ignore[arg-type]
+            head_dim=head_dim,  # type: ignore[arg-type]
+            num_params=num_params,  # type: ignore[arg-type]
+            max_position_embeddings=None,
+        )
+    return ModelShape(
+        name=known.name,
+        num_layers=num_layers or known.num_layers,
+        num_kv_heads=num_kv_heads or known.num_kv_heads,
+        head_dim=head_dim or known.head_dim,
+        num_params=num_params or known.num_params,
+        max_position_embeddings=known.max_position_embeddings,
+    )

@@ -1,0 +1,269 @@
+"""Capacity plans for InferenceService specs, and the `conveyor plan` command that prints one.
+
+`plan_for_spec` resolves the spec's model and GPU through the catalog (spec overrides win) and runs
+`conveyor.server.capacity.plan_capacity`; it is pure and raises a named error for every impossible
+spec, which the operator turns into a `CapacityPlanned=False` condition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+
+from conveyor.operator.catalog import (
+    ACTIVATION_RESERVE_BYTES_PER_GPU,
+    GiB,
+    ModelShape,
+    UnknownGPUTypeError,
+    UnknownModelError,
+    lookup_gpu,
+    resolve_model_shape,
+)
+from conveyor.operator.spec import InferenceServiceSpec
+from conveyor.server.capacity import CapacityPlan, InsufficientGPUMemoryError, dtype_bytes, plan_capacity
+from pydantic import ValidationError
+
+# Catalog models are stored in bfloat16, so `auto` plans with 2-byte weights and KV.
+AUTO_DTYPE = "bfloat16"
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_QUANTITY_FACTORS = {
+    None: 1,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+}
+
+
+class MaxModelLenTooLongError(ValueError):
+    """`maxModelLen` exceeds the context length the model was trained for (tokens)."""
+
+    def __init__(self, max_model_len: int, max_position_embeddings: int, model: str) -> None:
+        self.max_model_len = max_model_len
+        self.max_position_embeddings = max_position_embeddings
+        super().__init__(
+            f"maxModelLen {max_model_len} exceeds the {max_position_embeddings}-token context of {model}"
+        )
+
+
+class KVCacheTooSmallError(InsufficientGPUMemoryError):
+    """The weights fit but the KV pool cannot hold a single sequence of `max_model_len` tokens."""
+
+    def __init__(self, required_bytes: int, available_bytes: int, max_model_len: int) -> None:
+        super().__init__(required_bytes, available_bytes)
+        self.args = (
+            f"weights, activation reserve and the KV cache of one {max_model_len}-token sequence need "
+            f"{required_bytes / GiB:.2f} GiB but only {available_bytes / GiB:.2f} GiB of GPU memory is "
+            f"usable: short by {self.shortfall_bytes / GiB:.2f} GiB",
+        )
+
+
+#: Errors that make a spec impossible to plan; the operator reports them as status conditions.
+PlanningError = (UnknownModelError, UnknownGPUTypeError, InsufficientGPUMemoryError, MaxModelLenTooLongError)
+
+
+@dataclass(frozen=True)
+class SpecPlan:
+    """Everything decided for one replica of an InferenceService, in bytes and tokens.
+
+    `max_num_seqs` is what the server is started with: the spec's override if set, else the plan's.
+    `gpu_product_label` is None for GPUs given only by `resources.gpuMemory`.
+    """
+
+    model: ModelShape
+    gpu_type: str
+    gpu_memory_bytes: int
+    gpu_product_label: str | None
+    num_gpus: int
+    tensor_parallel_size: int
+    dtype: str
+    weight_bytes: int
+    activation_reserve_bytes: int
+    gpu_memory_utilization: float
+    capacity: CapacityPlan
+    max_num_seqs: int
+
+
+def parse_quantity(quantity: str) -> int:
+    """Bytes in a Kubernetes memory quantity (`80Gi`, `24G`, `1024`); raises ValueError."""
+    match = _QUANTITY.match(quantity.strip())
+    if not match:
+        raise ValueError(f"not a memory quantity: {quantity!r}")
+    number, suffix = match.groups()
+    return int(float(number) * _QUANTITY_FACTORS[suffix])
+
+
+def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
+    """Plan one replica of `spec`.
+
+    Raises UnknownModelError, UnknownGPUTypeError, MaxModelLenTooLongError, or
+    InsufficientGPUMemoryError (KVCacheTooSmallError when only the KV of one sequence is missing).
+    """
+    model = spec.model
+    shape = resolve_model_shape(
+        model.name,
+        uri=model.uri,
+        num_layers=model.layers,
+        num_kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        num_params=model.params,
+    )
+    if shape.max_position_embeddings is not None and model.max_model_len > shape.max_position_embeddings:
+        raise MaxModelLenTooLongError(model.max_model_len, shape.max_position_embeddings, shape.name)
+
+    resources = spec.resources
+    if resources.gpu_memory is not None:
+        gpu_memory_bytes = parse_quantity(resources.gpu_memory)
+        try:
+            product_label: str | None = lookup_gpu(resources.gpu_type).product_label
+        except UnknownGPUTypeError:
+            product_label = None
+    else:
+        gpu = lookup_gpu(resources.gpu_type)
+        gpu_memory_bytes, product_label = gpu.memory_bytes, gpu.product_label
+
+    dtype = AUTO_DTYPE if model.dtype == "auto" else model.dtype
+    num_gpus = resources.gpus_per_replica
+    weight_bytes = shape.num_params * dtype_bytes(dtype)
+    reserve = ACTIVATION_RESERVE_BYTES_PER_GPU * num_gpus
+    utilization = spec.engine.gpu_memory_utilization
+    capacity = plan_capacity(
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        gpu_memory_bytes=gpu_memory_bytes,
+        weight_bytes=weight_bytes,
+        max_model_len=model.max_model_len,
+        gpu_memory_utilization=utilization,
+        num_gpus=num_gpus,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        activation_reserve_bytes=reserve,
+        block_size=spec.engine.block_size,
+    )
+    if capacity.max_num_seqs < 1:
+        one_sequence = capacity.kv_bytes_per_token * spec.tensor_parallel_size * model.max_model_len
+        usable = capacity.kv_pool_bytes + weight_bytes + reserve
+        raise KVCacheTooSmallError(weight_bytes + reserve + one_sequence, usable, model.max_model_len)
+    return SpecPlan(
+        model=shape,
+        gpu_type=resources.gpu_type,
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_product_label=product_label,
+        num_gpus=num_gpus,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        dtype=dtype,
+        weight_bytes=weight_bytes,
+        activation_reserve_bytes=reserve,
+        gpu_memory_utilization=utilization,
+        capacity=capacity,
+        max_num_seqs=spec.engine.max_num_seqs or capacity.max_num_seqs,
+    )
+
+
+def format_plan(plan: SpecPlan) -> str:
+    """The plan as an aligned two-column table showing the arithmetic (binary units)."""
+    cap = plan.capacity
+    shape = plan.model
+    usable = plan.gpu_memory_bytes * plan.gpu_memory_utilization * plan.num_gpus
+    rows = [
+        (
+            "model",
+            f"{shape.name} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, "
+            f"head_dim {shape.head_dim}, {shape.num_params / 1e9:.2f}B params)",
+        ),
+        (
+            "gpus",
+            f"{plan.num_gpus} x {plan.gpu_type} ({plan.gpu_memory_bytes / GiB:.2f} GiB each), "
+            f"tensor parallel {plan.tensor_parallel_size}",
+        ),
+        ("dtype", f"{plan.dtype} ({dtype_bytes(plan.dtype)} bytes)"),
+        ("usable memory", f"{usable / GiB:.2f} GiB (gpu_memory_utilization {plan.gpu_memory_utilization})"),
+        ("weights", f"{plan.weight_bytes / GiB:.2f} GiB"),
+        ("activation reserve", f"{plan.activation_reserve_bytes / GiB:.2f} GiB"),
+        ("kv pool", f"{cap.kv_pool_bytes / GiB:.2f} GiB"),
+        (
+            "kv bytes per token",
+            f"{cap.kv_bytes_per_token:,} per GPU, "
+            f"{cap.kv_bytes_per_token * plan.tensor_parallel_size:,} per replica",
+        ),
+        ("kv blocks", f"{cap.num_kv_blocks:,} of {cap.block_size} tokens"),
+        ("max_model_len", f"{cap.max_model_len:,} tokens"),
+        ("max concurrency", f"{cap.max_concurrency:.2f} sequences of max_model_len tokens"),
+        ("max_num_seqs", f"{plan.max_num_seqs}"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows) + "\n"
+
+
+def _plan_json(plan: SpecPlan) -> str:
+    data = asdict(plan)
+    data["capacity"]["max_concurrency"] = plan.capacity.max_concurrency
+    return json.dumps(data, indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`conveyor plan`: print the KV-capacity plan of one replica. Exit status 1 when it cannot fit."""
+    parser = argparse.ArgumentParser(
+        prog="conveyor plan",
+        description="Print the KV-capacity plan (max_num_seqs) of one replica of a model on some GPUs.",
+    )
+    parser.add_argument("--model", required=True, help="catalog model name or hub id (llama-3-8b)")
+    parser.add_argument("--gpu", required=True, help="catalog GPU type (a100-80gb, h100-80gb, l4, ...)")
+    parser.add_argument("--max-model-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs per replica")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: --gpus")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory", default=None, help="memory of one GPU (80Gi) for other GPUs")
+    parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    parser.add_argument("--layers", type=int, default=None, help="override: transformer layers")
+    parser.add_argument("--kv-heads", type=int, default=None, help="override: KV heads")
+    parser.add_argument("--head-dim", type=int, default=None, help="override: head dimension")
+    parser.add_argument("--params", type=int, default=None, help="override: parameter count")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    try:
+        spec = InferenceServiceSpec.model_validate(
+            {
+                "model": {
+                    "name": args.model,
+                    "dtype": args.dtype,
+                    "maxModelLen": args.max_model_len,
+                    "layers": args.layers,
+                    "kvHeads": args.kv_heads,
+                    "headDim": args.head_dim,
+                    "params": args.params,
+                },
+                "resources": {
+                    "gpuType": args.gpu,
+                    "gpusPerReplica": args.gpus,
+                    "tensorParallelSize": args.tensor_parallel_size,
+                    "gpuMemory": args.gpu_memory,
+                },
+                "engine": {
+                    "gpuMemoryUtilization": args.gpu_memory_utilization,
+                    "blockSize": args.block_size,
+                },
+            }
+        )
+        if args.gpus % spec.tensor_parallel_size:
+            raise ValueError("--gpus must be divisible by --tensor-parallel-size")
+        plan = plan_for_spec(spec)
+    except (*PlanningError, ValidationError, ValueError) as exc:
+        print(f"conveyor plan: error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(_plan_json(plan) if args.json else format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

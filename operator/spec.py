@@ -1,0 +1,233 @@
+"""The InferenceService resource (`serving.conveyor.dev/v1alpha1`) as pydantic models.
+
+These models are the single source of the CRD's OpenAPI schema (`conveyor.operator.crd`): field names
+are camelCase aliases as Kubernetes writes them, defaults and enums land in the schema, and the CEL
+rules the API server enforces are attached to the models as `x-kubernetes-validations`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.conveyor.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["cisvc"]
+
+DEFAULT_IMAGE = "ghcr.io/conveyor-dev/conveyor:0.1.0"
+
+Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+
+
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+class _CamelModel(BaseModel):
+    """Base for resource fields: camelCase aliases, population by either name, unknown fields ignored
+    (the API server already prunes them; an older operator must tolerate a newer CRD)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class ModelSpec(_CamelModel):
+    """Which model to serve and how long its sequences may be."""
+
+    name: str = Field(
+        min_length=1,
+        description="Model name, served as the OpenAI `model` id; also the catalog key (e.g. llama-3-8b).",
+    )
+    uri: str | None = Field(
+        default=None,
+        pattern=r"^(hf://[^/\s]+/[^/\s]+|pvc://[^/\s]+(/\S*)?)$",
+        description="Where the weights come from: hf://org/name (hub id) or pvc://claim/path. "
+        "Defaults to the model name as a hub id or local path.",
+    )
+    dtype: Dtype = Field(default="auto", description="Weight and KV-cache dtype (--dtype).")
+    max_model_len: int = Field(
+        ge=16, le=1_048_576, description="Longest sequence (prompt + output) in tokens (--max-model-len)."
+    )
+    layers: int | None = Field(default=None, ge=1, description="Override: number of transformer layers.")
+    kv_heads: int | None = Field(default=None, ge=1, description="Override: number of KV heads.")
+    head_dim: int | None = Field(default=None, ge=1, description="Override: attention head dimension.")
+    params: int | None = Field(default=None, ge=1, description="Override: number of parameters.")
+
+
+class ResourcesSpec(_CamelModel):
+    """GPUs per replica and extra container resources."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.tensorParallelSize) || self.gpusPerReplica % self.tensorParallelSize == 0",
+                    "gpusPerReplica must be divisible by tensorParallelSize",
+                )
+            ]
+        }
+    )
+
+    gpu_type: str = Field(
+        min_length=1,
+        description="GPU type from the catalog (a100-80gb, h100-80gb, h200-141gb, l40s, a10g, l4, t4, ...).",
+    )
+    gpus_per_replica: int = Field(default=1, ge=1, le=16, description="GPUs per replica (nvidia.com/gpu).")
+    tensor_parallel_size: int | None = Field(
+        default=None, ge=1, le=16, description="Tensor-parallel degree; defaults to gpusPerReplica."
+    )
+    gpu_memory: str | None = Field(
+        default=None,
+        pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$",
+        description="Override: memory of one GPU as a quantity (e.g. 80Gi), for GPUs not in the catalog.",
+    )
+    cpu: str | None = Field(default=None, description="CPU request and limit of the server container.")
+    memory: str | None = Field(default=None, description="Memory request and limit of the server container.")
+
+
+class EngineSpec(_CamelModel):
+    """Server engine settings; unset fields are derived from the capacity plan."""
+
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Override the computed --max-num-seqs (sequences per step)."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="Tokens per engine step (--max-num-batched-tokens)."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Fraction of GPU memory the server may use."
+    )
+    block_size: Literal[8, 16, 32] = Field(default=16, description="KV-cache block size in tokens.")
+    enable_chunked_prefill: bool = Field(default=True, description="Split long prefills across steps.")
+    enable_prefix_caching: bool = Field(default=True, description="Share KV blocks of common prefixes.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra arguments for `conveyor serve`.")
+
+
+class AutoscalingSpec(_CamelModel):
+    """Replica bounds and the latency/queue targets the autoscaler keeps."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas")
+            ]
+        }
+    )
+
+    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas.")
+    max_replicas: int = Field(ge=1, description="Most replicas.")
+    target_ttft_seconds: float | None = Field(
+        default=None, alias="targetTTFTSeconds", gt=0, description="Target p90 time to first token."
+    )
+    target_queue_depth: float | None = Field(
+        default=None, gt=0, description="Target waiting requests per replica."
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=0, ge=0, description="Window over which scale-up recommendations are smoothed."
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, description="Window over which scale-down recommendations are smoothed."
+    )
+
+
+class Toleration(_CamelModel):
+    """A core/v1 Toleration."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class InferenceServiceSpec(_CamelModel):
+    """Desired state of an InferenceService."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!(has(self.replicas) && has(self.autoscaling))",
+                    "set either replicas or autoscaling, not both",
+                )
+            ]
+        }
+    )
+
+    model: ModelSpec
+    resources: ResourcesSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None, description="Autoscale on TTFT and queue depth; excludes replicas."
+    )
+    replicas: int | None = Field(
+        default=None, ge=0, description="Fixed number of replicas (default 1) when autoscaling is unset."
+    )
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Server container image.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Extra node labels; merged over the GPU product label."
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, description="Extra pod tolerations.")
+    service_account_name: str | None = Field(default=None, description="Service account of the pods.")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The tensor-parallel degree, defaulting to all GPUs of a replica."""
+        return self.resources.tensor_parallel_size or self.resources.gpus_per_replica
+
+    @property
+    def desired_replicas(self) -> int:
+        """Replicas when no autoscaler decides: `replicas`, else the autoscaling minimum, else 1."""
+        if self.replicas is not None:
+            return self.replicas
+        if self.autoscaling is not None:
+            return max(self.autoscaling.min_replicas, 1)
+        return 1
+
+
+class Condition(_CamelModel):
+    """A metav1.Condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class CapacityStatus(_CamelModel):
+    """The KV-capacity plan of one replica (bytes and sequences)."""
+
+    kv_bytes_per_token: int = Field(description="KV bytes one GPU stores per token.")
+    kv_pool_bytes: int = Field(description="KV-cache pool of one replica, all its GPUs.")
+    num_kv_blocks: int = Field(description="KV blocks of blockSize tokens in the pool.")
+    max_num_seqs: int = Field(description="Sequences per step the server is started with.")
+    max_concurrency_at_max_model_len: float = Field(
+        description="Sequences of maxModelLen tokens whose KV fits at once, unrounded."
+    )
+
+
+class InferenceServiceStatus(_CamelModel):
+    """Observed state of an InferenceService, written by the operator."""
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    capacity: CapacityStatus | None = None
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    url: str | None = None
+    selector: str | None = None
+
+
+def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
+    """Validate a resource's `.spec` (camelCase keys) into the model; raises pydantic.ValidationError."""
+    return InferenceServiceSpec.model_validate(spec)

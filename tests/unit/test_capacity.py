@@ -1,0 +1,174 @@
+"""KV-capacity math (conveyor.server.capacity) against DESIGN.md's worked examples, and its use by the
+operator's planner (conveyor.operator.plan).
+
+Unit convention: GPU memory and weights in binary units (1 GiB = 2**30 bytes), KV bytes per token
+exact. DESIGN.md's published figures (about 109, 54 and 116 sequences) mix decimal and binary units;
+the binary computation gives 112, 56 and 118, which these tests assert exactly, plus a check that each
+lies within 5% of the published figure.
+"""
+
+import pytest
+from conveyor.operator import plan as plan_cli
+from conveyor.operator.catalog import GiB, lookup_gpu
+from conveyor.operator.plan import KVCacheTooSmallError, MaxModelLenTooLongError, plan_for_spec
+from conveyor.operator.spec import parse_spec
+from conveyor.server.capacity import InsufficientGPUMemoryError, kv_bytes_per_token, plan_capacity
+
+A100_80GB = 80 * GiB
+LLAMA3_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
+LLAMA3_70B = {"num_layers": 80, "num_kv_heads": 8, "head_dim": 128}
+
+
+def within(value: float, published: float, tolerance: float = 0.05) -> bool:
+    return abs(value - published) <= tolerance * published
+
+
+def test_kv_bytes_per_token_llama3_8b_and_70b() -> None:
+    assert kv_bytes_per_token(**LLAMA3_8B, dtype="float16") == 131_072
+    assert kv_bytes_per_token(**LLAMA3_70B, dtype="float16") == 327_680
+
+
+@pytest.mark.parametrize(("max_model_len", "expected", "published"), [(4096, 112, 109), (8192, 56, 54)])
+def test_llama3_8b_on_one_a100_80gb(max_model_len: int, expected: int, published: int) -> None:
+    plan = plan_capacity(
+        **LLAMA3_8B,
+        dtype="float16",
+        gpu_memory_bytes=A100_80GB,
+        weight_bytes=16 * GiB,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=0.9,
+    )
+    assert plan.kv_pool_bytes == 56 * GiB
+    assert plan.max_num_seqs == expected
+    assert within(plan.max_num_seqs, published)
+    assert plan.num_kv_blocks == 56 * GiB // (131_072 * 16)
+
+
+def test_llama3_70b_on_four_a100_80gb_tensor_parallel() -> None:
+    plan = plan_capacity(
+        **LLAMA3_70B,
+        dtype="float16",
+        gpu_memory_bytes=A100_80GB,
+        weight_bytes=140 * GiB,
+        max_model_len=4096,
+        num_gpus=4,
+        tensor_parallel_size=4,
+    )
+    # Each GPU holds 2 of the 8 KV heads: a quarter of the per-token bytes.
+    assert plan.kv_bytes_per_token == 327_680 // 4
+    assert plan.kv_pool_bytes == 148 * GiB
+    assert plan.max_num_seqs == 118
+    assert within(plan.max_num_seqs, 116)
+
+
+def test_tensor_parallel_does_not_change_capacity_of_the_same_pool() -> None:
+    kwargs = dict(
+        **LLAMA3_8B, dtype="bfloat16", gpu_memory_bytes=A100_80GB, weight_bytes=16 * GiB, max_model_len=4096
+    )
+    tp1 = plan_capacity(**kwargs, num_gpus=2, tensor_parallel_size=1)
+    tp2 = plan_capacity(**kwargs, num_gpus=2, tensor_parallel_size=2)
+    assert tp2.kv_bytes_per_token == tp1.kv_bytes_per_token // 2
+    assert tp1.max_num_seqs == tp2.max_num_seqs == (144 - 16) * 2
+
+
+def test_weights_that_do_not_fit_raise_with_the_shortfall() -> None:
+    with pytest.raises(InsufficientGPUMemoryError) as excinfo:
+        plan_capacity(
+            **LLAMA3_70B,
+            dtype="float16",
+            gpu_memory_bytes=A100_80GB,
+            weight_bytes=140 * GiB,
+            max_model_len=4096,
+        )
+    err = excinfo.value
+    assert err.required_bytes == 140 * GiB
+    assert err.available_bytes == 72 * GiB
+    assert err.shortfall_bytes == 68 * GiB
+    assert "short by 68.00 GiB" in str(err)
+
+
+def _spec(**overrides: object) -> dict:
+    spec = {
+        "model": {"name": "llama-3-8b", "maxModelLen": 4096},
+        "resources": {"gpuType": "a100-80gb"},
+    }
+    for path, value in overrides.items():
+        section, key = path.split("__")
+        spec.setdefault(section, {})[key] = value
+    return spec
+
+
+def test_operator_plan_for_catalog_llama3_8b_reproduces_the_worked_example() -> None:
+    """Catalog weights (8.03e9 params x 2 bytes = 14.96 GiB) plus the 1 GiB activation reserve leave
+    the same ~56 GiB pool as the worked example's 16 GiB of weights: 112 sequences at 4K."""
+    plan = plan_for_spec(parse_spec(_spec()))
+    assert plan.capacity.kv_bytes_per_token == 131_072
+    assert plan.max_num_seqs == 112
+    assert within(plan.max_num_seqs, 109)
+    assert plan.gpu_product_label == "NVIDIA-A100-SXM4-80GB"
+    eight_k = plan_for_spec(parse_spec(_spec(model__maxModelLen=8192)))
+    assert eight_k.max_num_seqs == 56
+
+
+def test_operator_plan_llama3_70b_needs_four_gpus() -> None:
+    with pytest.raises(InsufficientGPUMemoryError):
+        plan_for_spec(parse_spec(_spec(model__name="llama-3-70b")))
+    plan = plan_for_spec(parse_spec(_spec(model__name="llama-3-70b", resources__gpusPerReplica=4)))
+    assert plan.tensor_parallel_size == 4
+    assert plan.capacity.kv_bytes_per_token == 81_920
+    # The catalog's 70.55e9 parameters are 131.4 GiB in bf16, less than the worked example's round
+    # 140 GiB, so the pool (288 - 131.4 - 4 x 1 GiB reserve = 152.6 GiB) holds 122 sequences of 4K.
+    assert plan.max_num_seqs == 122
+
+
+def test_operator_plan_overrides_win_and_engine_max_num_seqs_overrides_result() -> None:
+    plan = plan_for_spec(
+        parse_spec(_spec(model__name="my-model", model__layers=2, model__kvHeads=1, model__headDim=64,
+                         model__params=1_000_000, engine__maxNumSeqs=7))
+    )  # fmt: skip
+    assert plan.capacity.kv_bytes_per_token == 2 * 2 * 1 * 64 * 2
+    assert plan.max_num_seqs == 7
+    assert plan.capacity.max_num_seqs > 7
+
+
+def test_operator_plan_gpu_memory_override() -> None:
+    plan = plan_for_spec(parse_spec(_spec(resources__gpuType="mi300x", resources__gpuMemory="192Gi")))
+    assert plan.gpu_memory_bytes == 192 * GiB
+    assert plan.gpu_product_label is None
+
+
+def test_kv_cache_too_small_for_one_sequence_is_insufficient_memory() -> None:
+    # 8B weights fit on an A10G (22.5 GiB), but 0.9 x 22.5 - 14.96 - 1 = 4.3 GiB holds 33K tokens:
+    # not one 131,072-token sequence.
+    with pytest.raises(KVCacheTooSmallError) as excinfo:
+        plan_for_spec(
+            parse_spec(
+                _spec(model__name="llama-3.1-8b", model__maxModelLen=131072, resources__gpuType="a10g")
+            )
+        )
+    assert isinstance(excinfo.value, InsufficientGPUMemoryError)
+    assert "131072-token sequence" in str(excinfo.value)
+
+
+def test_max_model_len_beyond_the_models_context_is_rejected() -> None:
+    with pytest.raises(MaxModelLenTooLongError, match="8192-token context"):
+        plan_for_spec(parse_spec(_spec(model__maxModelLen=16384)))
+
+
+def test_catalog_gpu_memory_matches_nvidia_smi() -> None:
+    assert lookup_gpu("A100-80GB").memory_bytes == 80 * GiB
+    assert lookup_gpu("h100").product_label == "NVIDIA-H100-80GB-HBM3"
+
+
+def test_plan_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_cli.main(["--model", "llama-3-8b", "--gpu", "a100-80gb", "--max-model-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "max_num_seqs        112" in out
+    assert "131,072 per GPU" in out
+
+
+def test_plan_command_fails_with_the_shortfall(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "llama-3-70b", "--gpu", "a100-80gb", "--max-model-len", "4096"]
+    assert plan_cli.main(argv) == 1
+    assert "short by" in capsys.readouterr().err
+    assert plan_cli.main([*argv, "--gpus", "4", "--tensor-parallel-size", "4"]) == 0

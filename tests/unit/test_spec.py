@@ -1,0 +1,191 @@
+"""The InferenceService spec model and the CRD generated from it (no cluster)."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conveyor.operator import crd
+from conveyor.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, parse_spec
+from pydantic import ValidationError
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_PATHS = [REPO / "crds" / crd.CRD_FILENAME, REPO / "charts" / "conveyor" / "crds" / crd.CRD_FILENAME]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+MINIMAL = {"model": {"name": "llama-3-8b", "maxModelLen": 4096}, "resources": {"gpuType": "a100-80gb"}}
+
+
+def _schema() -> dict[str, Any]:
+    return crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every schema node below `node`, with a dotted path."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        found.append((path, node))
+        for name, prop in node.get("properties", {}).items():
+            found += _walk(prop, f"{path}.{name}")
+        if isinstance(node.get("items"), dict):
+            found += _walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            found += _walk(node["additionalProperties"], f"{path}{{}}")
+    return found
+
+
+def test_minimal_spec_gets_defaults() -> None:
+    spec = parse_spec(MINIMAL)
+    assert spec.model.dtype == "auto"
+    assert spec.resources.gpus_per_replica == 1
+    assert spec.tensor_parallel_size == 1
+    assert spec.engine.gpu_memory_utilization == 0.9
+    assert spec.engine.block_size == 16
+    assert spec.engine.enable_chunked_prefill and spec.engine.enable_prefix_caching
+    assert spec.image == DEFAULT_IMAGE
+    assert spec.desired_replicas == 1
+
+
+def test_camel_case_aliases_round_trip() -> None:
+    raw = {
+        "model": {"name": "m", "maxModelLen": 2048, "kvHeads": 2, "headDim": 64},
+        "resources": {"gpuType": "h100-80gb", "gpusPerReplica": 4, "tensorParallelSize": 2},
+        "engine": {"maxNumBatchedTokens": 8192, "enablePrefixCaching": False, "extraArgs": ["--seed", "1"]},
+        "autoscaling": {"minReplicas": 2, "maxReplicas": 5, "targetTTFTSeconds": 0.5},
+        "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+        "serviceAccountName": "llm",
+    }
+    spec = parse_spec(raw)
+    assert spec.model.kv_heads == 2
+    assert spec.tensor_parallel_size == 2
+    assert spec.autoscaling is not None and spec.autoscaling.target_ttft_seconds == 0.5
+    assert spec.desired_replicas == 2
+    dumped = spec.model_dump(by_alias=True, exclude_none=True)
+    assert dumped["autoscaling"]["targetTTFTSeconds"] == 0.5
+    assert dumped["resources"]["gpusPerReplica"] == 4
+    assert InferenceServiceSpec.model_validate(dumped) == spec
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model": {"name": "m"}, "resources": {"gpuType": "l4"}},  # maxModelLen is required
+        {**MINIMAL, "engine": {"gpuMemoryUtilization": 1.5}},
+        {**MINIMAL, "engine": {"blockSize": 12}},
+        {**MINIMAL, "model": {"name": "m", "maxModelLen": 4096, "dtype": "int3"}},
+        {**MINIMAL, "model": {"name": "m", "maxModelLen": 4096, "uri": "s3://bucket/model"}},
+    ],
+)
+def test_invalid_specs_are_rejected(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        parse_spec(bad)
+
+
+def test_checked_in_crd_is_current() -> None:
+    """Regenerate with `conveyor crd -o crds/... -o charts/conveyor/crds/...` when this fails."""
+    expected = crd.render_crd_yaml()
+    for path in CRD_PATHS:
+        assert path.read_text() == expected, f"{path.relative_to(REPO)} is stale"
+
+
+def test_crd_schema_is_structural() -> None:
+    nodes = _walk(_schema())
+    assert len(nodes) > 40
+    for path, node in nodes:
+        assert "type" in node, f"{path} has no type"
+        for forbidden in ("$ref", "$defs", "anyOf", "oneOf", "allOf", "title", "const"):
+            assert forbidden not in node, f"{path} has {forbidden}"
+        for keyword in ("exclusiveMinimum", "exclusiveMaximum"):
+            # OpenAPI v3.0: a boolean beside minimum/maximum, not JSON Schema 2020-12's number.
+            assert node.get(keyword, True) is True, f"{path}.{keyword} is not boolean"
+        assert node.get("default", 0) is not None, f"{path} defaults to null"
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is None, (
+                f"{path} mixes properties and additionalProperties"
+            )
+
+
+def test_crd_schema_defaults_enums_and_required() -> None:
+    spec = _schema()["properties"]["spec"]
+    props = spec["properties"]
+    assert spec["required"] == ["model", "resources"]
+    assert props["engine"]["default"] == {}
+    assert props["engine"]["properties"]["gpuMemoryUtilization"] == {
+        "default": 0.9,
+        "description": "Fraction of GPU memory the server may use.",
+        "exclusiveMinimum": True,
+        "maximum": 1,
+        "minimum": 0,
+        "type": "number",
+    }
+    assert props["model"]["properties"]["dtype"]["enum"] == ["auto", "float16", "bfloat16", "float32"]
+    assert props["model"]["required"] == ["name", "maxModelLen"]
+    assert "targetTTFTSeconds" in props["autoscaling"]["properties"]
+    assert "default" not in props["replicas"], "a default would collide with autoscaling's CEL rule"
+
+
+def test_crd_cel_rules() -> None:
+    spec = _schema()["properties"]["spec"]
+    rules = {
+        "spec": spec["x-kubernetes-validations"],
+        "resources": spec["properties"]["resources"]["x-kubernetes-validations"],
+        "autoscaling": spec["properties"]["autoscaling"]["x-kubernetes-validations"],
+    }
+    assert rules["spec"] == [
+        {
+            "message": "set either replicas or autoscaling, not both",
+            "rule": "!(has(self.replicas) && has(self.autoscaling))",
+        }
+    ]
+    assert "self.gpusPerReplica % self.tensorParallelSize == 0" in rules["resources"][0]["rule"]
+    assert rules["autoscaling"][0]["rule"] == "self.minReplicas <= self.maxReplicas"
+
+
+def test_crd_names_subresources_and_columns() -> None:
+    doc = crd.build_crd()
+    assert doc["metadata"]["name"] == "inferenceservices.serving.conveyor.dev"
+    assert doc["spec"]["names"]["shortNames"] == ["cisvc"]
+    version = doc["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1"
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert version["subresources"]["status"] == {}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Model", "GPU", "Replicas", "Ready", "MaxSeqs", "URL", "Age"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(status["capacity"]["properties"]) == {
+        "kvBytesPerToken",
+        "kvPoolBytes",
+        "numKvBlocks",
+        "maxNumSeqs",
+        "maxConcurrencyAtMaxModelLen",
+    }
+    assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
+
+
+def test_crd_command_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert crd.main([]) == 0
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed)["kind"] == "CustomResourceDefinition"
+    target = tmp_path / "out" / "crd.yaml"
+    assert crd.main(["--output", str(target)]) == 0
+    assert target.read_text() == printed
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_parse_and_plan(path: Path) -> None:
+    from conveyor.operator.plan import plan_for_spec
+
+    doc = yaml.safe_load(path.read_text())
+    assert doc["apiVersion"] == "serving.conveyor.dev/v1alpha1"
+    assert doc["kind"] == "InferenceService"
+    plan = plan_for_spec(parse_spec(doc["spec"]))
+    assert plan.max_num_seqs >= 1
+
+
+def test_there_are_two_examples() -> None:
+    assert len(EXAMPLES) == 2
