@@ -93,6 +93,10 @@ def paged_attention(
         v = _gather_kv(value_cache, tables, ctx)
         dlens = torch.tensor([lens[b] for b in decode_idx], device=query.device)
         mask = torch.arange(ctx, device=query.device)[None, :] < dlens[:, None]  # [D, ctx]
+        # Slots past a sequence's length are never written (fresh cache memory may hold NaN/Inf), and
+        # masking the scores is not enough: NaN + -inf is NaN and 0 * NaN is NaN. Zero them.
+        k = k.masked_fill(~mask[:, :, None, None], 0)
+        v = v.masked_fill(~mask[:, :, None, None], 0)
         # Fold the query heads of one KV head into the "query length" axis: one SDPA call, no K/V repeat.
         q = query[rows].view(len(decode_idx), num_kv_heads, groups, -1)  # [D, kvh, g, d]
         k = k.transpose(1, 2)  # [D, kvh, ctx, d]
@@ -158,8 +162,9 @@ def rope_cos_sin_cache(
     wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
     below `... / high_freq_factor` kept, and smoothly interpolated between). Others raise ValueError.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    positions = torch.arange(max_position, dtype=torch.float64)
+    # float32 throughout, as transformers computes it, so greedy outputs match it token for token.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    positions = torch.arange(max_position, dtype=torch.float32)
     rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     if rope_type == "linear":
         positions = positions / rope_scaling["factor"]

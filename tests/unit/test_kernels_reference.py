@@ -1,0 +1,196 @@
+"""The torch reference kernels against independent formulations: `paged_attention` against
+`scaled_dot_product_attention` over contiguous K/V, the rest against their textbook definitions and
+transformers' own implementations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conveyor.kernels import reference as ref
+
+# (num_heads, num_kv_heads, head_dim, block_size)
+LAYOUTS = [(9, 3, 64, 16), (32, 8, 128, 32), (4, 4, 64, 16)]
+
+
+def _scatter_to_paged(
+    keys: list[torch.Tensor], values: list[torch.Tensor], block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Place each sequence's contiguous `[seq_len, kvh, d]` K/V into randomly chosen blocks of a fresh
+    cache whose never-written slots hold NaN. Returns (key_cache, value_cache, block_tables)."""
+    kvh, d = keys[0].shape[1:]
+    blocks_per_seq = [-(-k.shape[0] // block_size) for k in keys]
+    num_blocks = sum(blocks_per_seq) + 2  # spare blocks stay NaN
+    perm = torch.randperm(num_blocks, generator=generator)
+    key_cache = torch.full((num_blocks, block_size, kvh, d), float("nan"), dtype=keys[0].dtype)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    block_tables = torch.zeros(len(keys), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+        ids = perm[used : used + blocks_per_seq[b]]
+        used += blocks_per_seq[b]
+        block_tables[b, : len(ids)] = ids.int()
+        for pos in range(k.shape[0]):
+            key_cache[ids[pos // block_size], pos % block_size] = k[pos]
+            value_cache[ids[pos // block_size], pos % block_size] = v[pos]
+    # Padding entries point at block 0, whose unused slots are NaN too when block 0 is not fully used.
+    return key_cache, value_cache, block_tables
+
+
+def _sdpa_truth(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Full causal attention over all seq_len positions, keeping the last q_len rows: what the query
+    rows of a chunk must see. q: `[q_len, h, d]`, k, v: `[seq_len, kvh, d]` -> `[q_len, h, d]`."""
+    q_len, h, _ = q.shape
+    seq_len, kvh, _ = k.shape
+    # Queries for the positions before the chunk are placeholders; their rows are dropped.
+    full_q = torch.cat([torch.zeros(seq_len - q_len, h, q.shape[2], dtype=q.dtype), q])
+    k = k.repeat_interleave(h // kvh, dim=1)
+    v = v.repeat_interleave(h // kvh, dim=1)
+    out = F.scaled_dot_product_attention(
+        full_q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale
+    )
+    return out.transpose(0, 1)[seq_len - q_len :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "h{}_kv{}_d{}_bs{}".format(*x))
+def test_paged_attention_matches_sdpa_on_contiguous_kv(layout: tuple[int, int, int, int], dtype: torch.dtype):
+    num_heads, num_kv_heads, head_dim, block_size = layout
+    g = torch.Generator().manual_seed(hash(layout) % 2**31)
+    # (seq_len, q_len): decodes at 1, 15, 16, 17 and a few hundred tokens; a full prefill; chunks.
+    shape = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1), (15, 15), (17, 5), (33, 33), (260, 40), (16, 16)]
+    keys = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s, _ in shape]
+    values = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s, _ in shape]
+    queries = [torch.randn(q, num_heads, head_dim, generator=g).to(dtype) for _, q in shape]
+    key_cache, value_cache, block_tables = _scatter_to_paged(keys, values, block_size, g)
+    q_lens = torch.tensor([q for _, q in shape])
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int()
+    seq_lens = torch.tensor([s for s, _ in shape], dtype=torch.int32)
+    scale = head_dim**-0.5
+
+    out = ref.paged_attention(
+        torch.cat(queries), key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+        int(q_lens.max()), int(seq_lens.max()),
+    )  # fmt: skip
+
+    assert out.dtype == dtype and out.shape == (int(q_lens.sum()), num_heads, head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for b in range(len(shape)):
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        truth = _sdpa_truth(queries[b].float(), keys[b].float(), values[b].float(), scale)
+        torch.testing.assert_close(out[start:end].float(), truth, atol=tol, rtol=tol)
+
+
+def test_paged_attention_decode_ignores_nan_in_unwritten_slots():
+    """Regression: the decode path pads every sequence to the batch's longest context; slots past a
+    shorter sequence's length (fresh cache memory, possibly NaN) used to turn its output into NaN."""
+    g = torch.Generator().manual_seed(0)
+    key_cache = torch.randn(6, 16, 2, 64, generator=g)
+    value_cache = torch.randn(6, 16, 2, 64, generator=g)
+    key_cache[2, 4:] = value_cache[2, 4:] = float("nan")  # past seq 0's 20 tokens, same block
+    key_cache[0] = value_cache[0] = float("nan")  # the padding block of seq 0's table
+    block_tables = torch.tensor([[1, 2, 0], [3, 4, 5]], dtype=torch.int32)
+    query = torch.randn(2, 4, 64, generator=g)
+    out = ref.paged_attention(
+        query, key_cache, value_cache, block_tables, torch.tensor([0, 1, 2], dtype=torch.int32),
+        torch.tensor([20, 40], dtype=torch.int32), 0.125, 1, 40,
+    )  # fmt: skip
+    assert not out.isnan().any()
+    k = torch.cat([key_cache[1], key_cache[2, :4]])
+    v = torch.cat([value_cache[1], value_cache[2, :4]])
+    torch.testing.assert_close(out[:1], _sdpa_truth(query[:1], k, v, 0.125))
+
+
+def test_reshape_and_cache_writes_only_mapped_slots():
+    g = torch.Generator().manual_seed(1)
+    key = torch.randn(5, 2, 8, generator=g)
+    value = torch.randn(5, 2, 8, generator=g)
+    key_cache = torch.full((3, 4, 2, 8), float("nan"))
+    value_cache = torch.full((3, 4, 2, 8), float("nan"))
+    slots = torch.tensor([9, 0, -1, 5, 11])
+    ref.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    flat_k = key_cache.view(12, 2, 8)
+    flat_v = value_cache.view(12, 2, 8)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], key[t]) and torch.equal(flat_v[slot], value[t])
+    untouched = [s for s in range(12) if s not in (9, 0, 5, 11)]
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+def test_rms_norm_matches_definition_and_fused_add():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 576, generator=g)
+    residual = torch.randn(3, 576, generator=g)
+    weight = torch.randn(576, generator=g)
+    expected = weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(ref.rms_norm(x, weight, 1e-5), expected)
+    normed, new_residual = ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(new_residual, x + residual)
+    torch.testing.assert_close(normed, ref.rms_norm(x + residual, weight, 1e-5))
+
+
+def test_silu_and_mul_matches_definition():
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(3))
+    gate, up = x[:, :5], x[:, 5:]
+    torch.testing.assert_close(ref.silu_and_mul(x), gate * torch.sigmoid(gate) * up)
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+    ids=["default", "linear", "llama3"],
+)
+def test_rope_cache_and_rotation_match_transformers(rope_scaling: dict | None):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    head_dim, base, max_pos = 128, 500000.0, 9000
+    config = transformers.LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_pos,
+        rope_theta=base,
+        rope_scaling=rope_scaling,
+    )
+    cache = ref.rope_cos_sin_cache(head_dim, max_pos, base, rope_scaling)
+    g = torch.Generator().manual_seed(4)
+    positions = torch.tensor([0, 1, 17, 4095, 8191, 8999])
+    q = torch.randn(len(positions), 4, head_dim, generator=g)
+    k = torch.randn(len(positions), 2, head_dim, generator=g)
+    rq, rk = ref.rotary_embedding(positions, q, k, cache)
+
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])  # [1, T, d]
+    hq, hk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    # transformers computes the angles in float32 (position * inv_freq), the reference in float64:
+    # at position ~9000 the float32 angle is off by up to ~1e-3 rad.
+    torch.testing.assert_close(rq, hq[0].transpose(0, 1), atol=5e-3, rtol=0)
+    torch.testing.assert_close(rk, hk[0].transpose(0, 1), atol=5e-3, rtol=0)
+    # Exactness where float32 angles are exact enough: small positions.
+    torch.testing.assert_close(rq[:3], hq[0].transpose(0, 1)[:3], atol=1e-5, rtol=1e-5)
+
+
+def test_rope_cache_rejects_unknown_scaling():
+    with pytest.raises(ValueError, match="yarn"):
+        ref.rope_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_rope_cache_layout():
+    cache = ref.rope_cos_sin_cache(8, 5, 10000.0)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 8, 2) / 8)
+    angle = 3 * inv_freq
+    torch.testing.assert_close(cache[3], torch.cat([angle.cos(), angle.sin()]))
+    assert math.isclose(float(cache[0, 0]), 1.0)
