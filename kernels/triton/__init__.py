@@ -1,0 +1,22 @@
+"""Triton kernels with the signatures of `conveyor.kernels.reference`, one module per kernel.
+
+They run on CUDA tensors, and on CPU tensors only under Triton's interpreter (`TRITON_INTERPRET=1`,
+set before `triton` is first imported).
+"""
+
+from conveyor.kernels.reference import rope_cos_sin_cache
+from conveyor.kernels.triton.paged_attention import paged_attention
+from conveyor.kernels.triton.reshape_and_cache import reshape_and_cache
+from conveyor.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from conveyor.kernels.triton.rotary_embedding import rotary_embedding
+from conveyor.kernels.triton.silu_and_mul import silu_and_mul
+
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+]

@@ -1,0 +1,512 @@
+"""Paged attention in Triton: a flash-decoding kernel for decode rows and a flash-attention kernel for
+prefill and chunked-prefill rows, both reading K/V through block tables.
+
+Same contract as `conveyor.kernels.reference.paged_attention`. A step with only decode rows
+(`max_query_len == 1`) launches the decode kernels only; a mixed step launches both, and each kernel
+skips the sequences of the other kind on the device, so the host never reads query lengths back.
+
+Decode (Dao et al., "Flash-Decoding for long-context inference", 2023): each program handles one
+(sequence, KV head, context split) and all query heads of that KV head, writing a partial output
+normalised by its own softmax sum plus its log-sum-exp; a second kernel combines the splits. Splitting
+the context lets a batch of a few long sequences still occupy every SM.
+
+All softmax arithmetic is float32 (scores are kept in the log2 domain so `exp2` can be used) whatever
+the input dtype; K/V slots past a sequence's length are never loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+# Decode tiling: tokens of context per loop iteration, and bounds for the number of context splits.
+_DECODE_BLOCK_N = 64
+_MAX_KV_SPLITS = 64
+# A split shorter than this spends more on its partial write and the reduce than it saves.
+_MIN_TOKENS_PER_SPLIT = 256
+# Prefill tiling.
+_PREFILL_BLOCK_M = 64
+_PREFILL_BLOCK_N = 64
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """`a @ b` accumulated in float32. UPCAST multiplies in float32: Triton's interpreter multiplies
+    bfloat16 operands as their raw 16-bit patterns, so CPU runs take this path for bfloat16."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    scale_log2,
+    split_size,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_po_s,
+    stride_po_h,
+    stride_po_k,
+    stride_pl_s,
+    stride_pl_h,
+    GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One (sequence, KV head, split): partial attention of the sequence's single query row, for the
+    GROUPS query heads sharing the KV head, over context positions [split * split_size, ...)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_start = split * split_size
+    # Prefill rows belong to the other kernel; splits past the end have nothing to do (the reduce
+    # kernel derives the number of live splits from seq_len and never reads theirs).
+    if q_len != 1 or split_start >= seq_len:
+        return
+    split_end = tl.minimum(split_start + split_size, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUPS
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUPS + offs_g
+    q = tl.load(
+        q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(split_start, split_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < split_end
+        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr
+            + (block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh)[None, :]
+            + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        s = _dot(q, k, DOT_PRECISION, UPCAST_DOT) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr
+            + (block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None]
+            + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    po = partial_out_ptr + seq.to(tl.int64) * stride_po_s + split * stride_po_k
+    tl.store(po + heads[:, None] * stride_po_h + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+    lse = m_i + tl.log2(l_i)
+    tl.store(partial_lse_ptr + seq.to(tl.int64) * stride_pl_s + split + heads * stride_pl_h, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    split_size,
+    stride_ot,
+    stride_oh,
+    stride_po_s,
+    stride_po_h,
+    stride_po_k,
+    stride_pl_s,
+    stride_pl_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One (sequence, query head): combine the live splits' partial outputs weighted by their
+    softmax mass, `sum_k 2^(lse_k - max) * out_k / sum_k 2^(lse_k - max)`."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    live_splits = tl.cdiv(seq_len, split_size)
+
+    offs_k = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_k = offs_k < live_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(
+        partial_lse_ptr + seq.to(tl.int64) * stride_pl_s + head * stride_pl_h + offs_k,
+        mask=mask_k,
+        other=float("-inf"),
+    )
+    weights = tl.exp2(lse - tl.max(lse, axis=0))
+    weights = tl.where(mask_k, weights, 0.0)
+    partial = tl.load(
+        partial_out_ptr
+        + seq.to(tl.int64) * stride_po_s
+        + head * stride_po_h
+        + offs_k[:, None] * stride_po_k
+        + offs_d[None, :],
+        mask=mask_k[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [NUM_SPLITS, BLOCK_D]
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_d,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One (sequence, query head, tile of BLOCK_M query rows): causal flash attention over the
+    sequence's paged context. Row i of a sequence with q_len rows and seq_len tokens sits at position
+    seq_len - q_len + i and attends to positions 0 ..= that position."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    if SKIP_DECODE and q_len == 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // GROUPS
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < HEAD_DIM
+    positions = seq_len - q_len + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # The tile's last row sees positions up to seq_len - q_len + its index; nothing beyond is loaded.
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < kv_end
+        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr
+            + (block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh)[None, :]
+            + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        s = _dot(q, k, DOT_PRECISION, UPCAST_DOT) * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        # Every row sees position 0 in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr
+            + (block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None]
+            + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def _device_programs_target(device: torch.device) -> int:
+    """How many decode programs keep the device busy: two per SM on CUDA; a small fixed number
+    elsewhere (the interpreter), so that tests still exercise several splits."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Context splits for the decode kernel: a power of two (so few reduce-kernel variants compile),
+    enough that num_seqs * num_kv_heads * splits programs fill the device, but no split shorter than
+    _MIN_TOKENS_PER_SPLIT tokens and at most _MAX_KV_SPLITS."""
+    wanted = -(-_device_programs_target(device) // max(1, num_seqs * num_kv_heads))
+    by_length = max(1, max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    splits = max(1, min(wanted, by_length, _MAX_KV_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs must not be silently rounded to TF32 by tl.dot: the contract is float32 accuracy.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dot(query: torch.Tensor) -> bool:
+    # Off CUDA the kernels run in Triton's interpreter, whose tl.dot is wrong for bfloat16 (see _dot).
+    return query.dtype == torch.bfloat16 and query.device.type != "cuda"
+
+
+def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if query.shape[1] % key_cache.shape[2] != 0:
+        raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} != value_cache {tuple(value_cache.shape)}")
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim; got strides {t.stride()}")
+
+
+def paged_attention_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    num_splits: int | None = None,
+) -> None:
+    """Write into `out` the attention of every sequence whose query length is 1; other rows untouched.
+
+    Shapes as in `paged_attention`; `out` is `[num_tokens, num_heads, head_dim]`.
+    num_splits: context splits per sequence (a power of two), default `num_kv_splits(...)`.
+    """
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    groups = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    # Round split boundaries to whole tiles so only a sequence's last tile is partial.
+    split_size = -(-max(1, max_seq_len) // num_splits)
+    split_size = -(-split_size // _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+    partial_out = torch.empty(
+        num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+    )
+    partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        scale * _LOG2E,
+        split_size,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        GROUPS=groups,
+        # tl.dot needs at least 16 rows; the padding rows are masked and cost no memory traffic.
+        BLOCK_G=max(16, triton.next_power_of_2(groups)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=_DECODE_BLOCK_N,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        UPCAST_DOT=_upcast_dot(query),
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        out,
+        query_start_loc,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        split_size,
+        out.stride(0),
+        out.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+    )
+
+
+def paged_attention_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    skip_decode: bool = True,
+) -> None:
+    """Write into `out` the causal attention of every sequence with more than one query row (and of
+    single-row sequences too when `skip_decode` is False). Shapes as in `paged_attention`."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, _PREFILL_BLOCK_M))
+    _prefill_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUPS=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=_PREFILL_BLOCK_M,
+        BLOCK_N=_PREFILL_BLOCK_N,
+        SKIP_DECODE=skip_decode,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        UPCAST_DOT=_upcast_dot(query),
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Causal attention of packed queries over each sequence's paged K/V, with grouped-query attention.
+
+    query: `[num_tokens, num_heads, head_dim]` (float32, float16 or bfloat16); key_cache, value_cache:
+    `[num_blocks, block_size, num_kv_heads, head_dim]`, same dtype; block_tables: `[num_seqs, max_blocks]`
+    int32; query_start_loc: `[num_seqs + 1]` int32; seq_lens: `[num_seqs]` int32.
+    Returns `[num_tokens, num_heads, head_dim]` in the query's dtype. See the reference for semantics.
+    Raises ValueError when num_heads is not a multiple of num_kv_heads or head_dim is strided.
+    """
+    _check_inputs(query, key_cache, value_cache)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if query.shape[0] == 0:
+        return out
+    paged_attention_decode(
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len
+    )
+    if max_query_len > 1:
+        paged_attention_prefill(
+            out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
+        )
+    return out

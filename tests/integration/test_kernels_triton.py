@@ -1,0 +1,392 @@
+"""Every Triton kernel against its torch reference: on CPU under Triton's interpreter, and on CUDA
+(`gpu` marker) when a device is present.
+
+Triton decides at decoration time (`@triton.jit`, i.e. when a kernel module is imported) whether a
+kernel is interpreted, reading TRITON_INTERPRET from the environment. The `triton_cpu` fixture imports
+a private copy of `conveyor.kernels.triton` with the variable set and restores both the environment
+and `sys.modules` afterwards, so other tests in the same process keep whatever they imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+from conveyor.kernels import KERNEL_NAMES
+from conveyor.kernels import reference as ref
+
+PACKAGE = "conveyor.kernels.triton"
+
+# (num_heads, num_kv_heads, head_dim, block_size): the head ratios 9:3 (SmolLM2), 32:8 (Llama-3-8B)
+# and 1:1, head_dim 64 and 128, block sizes 16 and 32.
+LAYOUTS = [(9, 3, 64, 16), (9, 3, 64, 32), (32, 8, 128, 16), (4, 4, 128, 32), (2, 2, 64, 16)]
+LAYOUT_IDS = ["h{}_kv{}_d{}_bs{}".format(*x) for x in LAYOUTS]
+DTYPES = [torch.float32, torch.bfloat16]
+# Decodes at 1, 15, 16, 17 and a few hundred tokens of context, in one batch.
+DECODE_BATCH = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)]
+# (seq_len, q_len): decodes, full prefills and chunked prefills (cached prefix + chunk), in one batch.
+MIXED_BATCH = [(1, 1), (15, 15), (16, 1), (17, 5), (300, 40), (33, 33), (200, 1), (16, 16)]
+
+
+@contextlib.contextmanager
+def _fresh_kernels(interpret: bool) -> Iterator[ModuleType]:
+    saved = {
+        name: mod for name, mod in sys.modules.items() if name == PACKAGE or name.startswith(PACKAGE + ".")
+    }
+    parent = importlib.import_module("conveyor.kernels")
+    saved_attr = parent.__dict__.get("triton")
+    mp = pytest.MonkeyPatch()
+    if interpret:
+        mp.setenv("TRITON_INTERPRET", "1")
+    else:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+    for name in saved:
+        del sys.modules[name]
+    try:
+        yield importlib.import_module(PACKAGE)
+    finally:
+        for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        if saved_attr is None:
+            parent.__dict__.pop("triton", None)
+        else:
+            parent.triton = saved_attr
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def triton_cpu() -> Iterator[ModuleType]:
+    """`conveyor.kernels.triton` with every kernel running in Triton's interpreter."""
+    with _fresh_kernels(interpret=True) as module:
+        yield module
+
+
+@pytest.fixture(scope="module")
+def triton_cuda() -> Iterator[ModuleType]:
+    """`conveyor.kernels.triton` compiled for the CUDA device; skips when there is none."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    with _fresh_kernels(interpret=False) as module:
+        yield module
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `torch.empty` return NaN-filled floating tensors for the test's duration, so an output
+    element a kernel forgets to write shows up as NaN instead of as plausible stale memory."""
+    original = torch.empty
+
+    def empty(*args, **kwargs):
+        t = original(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    # bf16 has 8 significant bits (relative step 2^-8 ~ 4e-3); the interpreter also truncates instead of
+    # rounding on float32 -> bf16 casts, so allow a few steps.
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+class PagedBatch:
+    """A packed step over a paged cache with randomly placed blocks; never-written slots hold NaN."""
+
+    def __init__(
+        self,
+        shape: list[tuple[int, int]],
+        layout: tuple[int, int, int, int],
+        dtype: torch.dtype,
+        seed: int,
+        device: str = "cpu",
+    ) -> None:
+        num_heads, num_kv_heads, head_dim, block_size = layout
+        g = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [-(-s // block_size) for s, _ in shape]
+        num_blocks = sum(blocks_per_seq) + 3
+        # Block 0 stays unused: it is what padding entries of the block tables point at.
+        perm = torch.randperm(num_blocks - 1, generator=g) + 1
+        self.key_cache = torch.full(
+            (num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype
+        )
+        self.value_cache = torch.full_like(self.key_cache, float("nan"))
+        self.block_tables = torch.zeros(len(shape), max(blocks_per_seq) + 1, dtype=torch.int32)
+        used = 0
+        for b, (seq_len, _) in enumerate(shape):
+            ids = perm[used : used + blocks_per_seq[b]]
+            used += blocks_per_seq[b]
+            self.block_tables[b, : len(ids)] = ids.int()
+            flat = (ids[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+            for cache in (self.key_cache, self.value_cache):
+                kv = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+                cache.view(-1, num_kv_heads, head_dim)[flat] = kv
+        q_lens = torch.tensor([q for _, q in shape])
+        self.query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int()
+        self.seq_lens = torch.tensor([s for s, _ in shape], dtype=torch.int32)
+        self.query = torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=g).to(dtype)
+        self.scale = head_dim**-0.5
+        self.max_query_len = int(q_lens.max())
+        self.max_seq_len = int(self.seq_lens.max())
+        self.q_lens = q_lens.tolist()
+        for name in ("key_cache", "value_cache", "block_tables", "query_start_loc", "seq_lens", "query"):
+            setattr(self, name, getattr(self, name).to(device))
+
+    def args(self) -> tuple:
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.query_start_loc,
+            self.seq_lens,
+            self.scale,
+            self.max_query_len,
+            self.max_seq_len,
+        )
+
+    def truth(self) -> torch.Tensor:
+        """The reference in float32 on the same (upcast) inputs, on CPU."""
+        args = [
+            a.cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in self.args()
+        ]
+        args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        return ref.paged_attention(*args)
+
+    def decode_rows(self) -> list[int]:
+        starts = self.query_start_loc.tolist()
+        return [starts[b] for b, q in enumerate(self.q_lens) if q == 1]
+
+
+def test_exports_every_kernel_with_reference_signatures(triton_cpu: ModuleType):
+    import inspect
+
+    for name in KERNEL_NAMES:
+        assert inspect.signature(getattr(triton_cpu, name)) == inspect.signature(getattr(ref, name)), name
+
+
+# --- paged attention -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_paged_attention_decode_batch(triton_cpu: ModuleType, layout, dtype, poisoned_empty):
+    batch = PagedBatch(DECODE_BATCH, layout, dtype, seed=11)
+    out = triton_cpu.paged_attention(*batch.args())
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_paged_attention_mixed_prefill_and_decode(triton_cpu: ModuleType, layout, dtype, poisoned_empty):
+    batch = PagedBatch(MIXED_BATCH, layout, dtype, seed=12)
+    out = triton_cpu.paged_attention(*batch.args())
+    torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 8])
+def test_paged_attention_decode_split_reduce(triton_cpu: ModuleType, num_splits: int):
+    """The flash-decoding split + reduce for any number of splits, including splits that are empty
+    for the shorter sequences; prefill rows are left untouched by the decode kernels."""
+    from conveyor.kernels.triton.paged_attention import paged_attention_decode
+
+    batch = PagedBatch(MIXED_BATCH, (9, 3, 64, 16), torch.float32, seed=13)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention_decode(out, *batch.args()[:7], batch.max_seq_len, num_splits=num_splits)
+    rows = batch.decode_rows()
+    torch.testing.assert_close(out[rows], batch.truth()[rows], **_tol(torch.float32))
+    others = [r for r in range(out.shape[0]) if r not in rows]
+    assert out[others].isnan().all()
+
+
+def test_paged_attention_prefill_kernel_alone_covers_decode_rows(triton_cpu: ModuleType):
+    """The prefill kernel is general: with skip_decode=False it computes every row, decode rows too."""
+    from conveyor.kernels.triton.paged_attention import paged_attention_prefill
+
+    batch = PagedBatch(MIXED_BATCH, (4, 4, 128, 32), torch.float32, seed=14)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention_prefill(out, *batch.args()[:8], skip_decode=False)
+    torch.testing.assert_close(out, batch.truth(), **_tol(torch.float32))
+
+
+def test_paged_attention_long_prefill_spans_query_tiles(triton_cpu: ModuleType):
+    """A chunk longer than one 64-row query tile, starting mid-block after a cached prefix."""
+    batch = PagedBatch([(227, 130), (70, 70)], (9, 3, 64, 16), torch.bfloat16, seed=15)
+    out = triton_cpu.paged_attention(*batch.args())
+    torch.testing.assert_close(out.float(), batch.truth(), **_tol(torch.bfloat16))
+
+
+def test_paged_attention_strided_query(triton_cpu: ModuleType):
+    """The query as the model produces it: a view into a fused QKV projection (rows strided)."""
+    batch = PagedBatch(MIXED_BATCH[:4], (9, 3, 64, 16), torch.float32, seed=16)
+    qkv = torch.randn(batch.query.shape[0], (9 + 2 * 3) * 64)
+    query = qkv[:, : 9 * 64].view(-1, 9, 64)
+    query.copy_(batch.query)
+    out = triton_cpu.paged_attention(query, *batch.args()[1:])
+    torch.testing.assert_close(out, batch.truth(), **_tol(torch.float32))
+
+
+def test_paged_attention_rejects_bad_head_ratio(triton_cpu: ModuleType):
+    batch = PagedBatch(DECODE_BATCH[:2], (9, 3, 64, 16), torch.float32, seed=17)
+    query = torch.randn(batch.query.shape[0], 8, 64)
+    with pytest.raises(ValueError, match="not a multiple"):
+        triton_cpu.paged_attention(query, *batch.args()[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_attention_long_contexts(triton_cpu: ModuleType, dtype):
+    """Contexts of ~1-2K tokens decoded and chunk-prefilled with the default split heuristic."""
+    shape = [(2048, 1), (1500, 1), (1100, 64), (17, 1)]
+    batch = PagedBatch(shape, (32, 8, 128, 16), dtype, seed=18)
+    out = triton_cpu.paged_attention(*batch.args())
+    torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
+
+
+# --- KV cache write ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS[:3], ids=LAYOUT_IDS[:3])
+def test_reshape_and_cache(triton_cpu: ModuleType, layout, dtype):
+    _, num_kv_heads, head_dim, block_size = layout
+    g = torch.Generator().manual_seed(21)
+    num_blocks, num_tokens = 6, 23
+    # K and V as the model produces them: views into one fused projection output.
+    kv = torch.randn(num_tokens, 2 * num_kv_heads * head_dim + 8, generator=g).to(dtype)
+    key = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = kv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[3, 10]] = -1  # padding tokens: not written
+    caches = [
+        torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+        for _ in range(4)
+    ]
+    triton_cpu.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    ref.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    for mine, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(mine.isnan(), theirs.isnan())  # the same slots written, the rest untouched
+        assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
+    written = slots[slots >= 0]
+    assert int((~caches[0].view(-1, num_kv_heads, head_dim).isnan()).all(-1).all(-1).sum()) == len(written)
+
+
+# --- fused small ops -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden_size", [576, 1000, 4096])
+def test_rms_norm(triton_cpu: ModuleType, hidden_size: int, dtype, poisoned_empty):
+    g = torch.Generator().manual_seed(31)
+    x = (torch.randn(5, hidden_size, generator=g) * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden_size, generator=g)).to(dtype)
+    out = triton_cpu.rms_norm(x, weight, 1e-6)
+    expected = ref.rms_norm(x, weight, 1e-6)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden_size", [576, 4096])
+def test_fused_add_rms_norm(triton_cpu: ModuleType, hidden_size: int, dtype, poisoned_empty):
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(5, hidden_size, generator=g).to(dtype)
+    residual = torch.randn(5, hidden_size, generator=g).to(dtype)
+    weight = torch.randn(hidden_size, generator=g).to(dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, new_residual = triton_cpu.fused_add_rms_norm(x, residual, weight, 1e-5)
+    expected_out, expected_residual = ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(new_residual, expected_residual, **_tol(dtype))
+    torch.testing.assert_close(out, expected_out, **_tol(dtype))
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS[:3], ids=LAYOUT_IDS[:3])
+def test_rotary_embedding(triton_cpu: ModuleType, layout, dtype, poisoned_empty):
+    num_heads, num_kv_heads, head_dim, _ = layout
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cache = ref.rope_cos_sin_cache(head_dim, 16384, 500000.0, scaling)
+    g = torch.Generator().manual_seed(33)
+    positions = torch.tensor([0, 1, 15, 16, 17, 300, 8191, 16383])
+    query = torch.randn(len(positions), num_heads, head_dim, generator=g).to(dtype)
+    key = torch.randn(len(positions), num_kv_heads, head_dim, generator=g).to(dtype)
+    q, k = triton_cpu.rotary_embedding(positions, query, key, cache)
+    eq, ek = ref.rotary_embedding(positions, query, key, cache)
+    torch.testing.assert_close(q, eq, **_tol(dtype))
+    torch.testing.assert_close(k, ek, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("intermediate_size", [1536, 100, 3000])
+def test_silu_and_mul(triton_cpu: ModuleType, intermediate_size: int, dtype, poisoned_empty):
+    x = (torch.randn(6, 2 * intermediate_size, generator=torch.Generator().manual_seed(34)) * 4).to(dtype)
+    out = triton_cpu.silu_and_mul(x)
+    torch.testing.assert_close(out, ref.silu_and_mul(x), **_tol(dtype))
+
+
+# --- the same kernels compiled for CUDA ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_gpu_paged_attention(triton_cuda: ModuleType, layout, dtype):
+    shape = MIXED_BATCH + [(4096, 1), (3000, 1), (2000, 300)]
+    batch = PagedBatch(shape, layout, dtype, seed=41, device="cuda")
+    out = triton_cuda.paged_attention(*batch.args())
+    # float16 carries 3 more mantissa bits than bfloat16: the bf16 tolerance covers it.
+    torch.testing.assert_close(out.float().cpu(), batch.truth(), **_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_small_kernels(triton_cuda: ModuleType, dtype):
+    g = torch.Generator().manual_seed(42)
+    dev = "cuda"
+    x = torch.randn(300, 4096, generator=g).to(dtype)
+    residual = torch.randn(300, 4096, generator=g).to(dtype)
+    weight = torch.randn(4096, generator=g).to(dtype)
+    tol = _tol(dtype)
+    torch.testing.assert_close(
+        triton_cuda.rms_norm(x.to(dev), weight.to(dev), 1e-5).cpu(), ref.rms_norm(x, weight, 1e-5), **tol
+    )
+    out, res = triton_cuda.fused_add_rms_norm(x.to(dev), residual.to(dev), weight.to(dev), 1e-5)
+    eout, eres = ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(res.cpu(), eres, **tol)
+    torch.testing.assert_close(out.cpu(), eout, **tol)
+    up = torch.randn(300, 2 * 14336, generator=g).to(dtype)
+    torch.testing.assert_close(triton_cuda.silu_and_mul(up.to(dev)).cpu(), ref.silu_and_mul(up), **tol)
+    cache = ref.rope_cos_sin_cache(128, 8192, 500000.0)
+    positions = torch.randint(0, 8192, (300,), generator=g)
+    q = torch.randn(300, 32, 128, generator=g).to(dtype)
+    k = torch.randn(300, 8, 128, generator=g).to(dtype)
+    gq, gk = triton_cuda.rotary_embedding(positions.to(dev), q.to(dev), k.to(dev), cache.to(dev))
+    eq, ek = ref.rotary_embedding(positions, q, k, cache)
+    torch.testing.assert_close(gq.cpu(), eq, **tol)
+    torch.testing.assert_close(gk.cpu(), ek, **tol)
+    key_cache = torch.full((64, 16, 8, 128), float("nan"), dtype=dtype, device=dev)
+    value_cache = key_cache.clone()
+    slots = torch.randperm(64 * 16, generator=g)[:300]
+    triton_cuda.reshape_and_cache(
+        k.to(dev), q[:, :8].contiguous().to(dev), key_cache, value_cache, slots.to(dev)
+    )
+    assert torch.equal(key_cache.view(-1, 8, 128)[slots.to(dev)].cpu(), k)
+    assert int((~key_cache.isnan()).sum()) == 300 * 8 * 128
