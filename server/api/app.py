@@ -1,0 +1,441 @@
+"""The OpenAI-compatible HTTP front end (FastAPI).
+
+Request -> protocol validation -> tokenizer / chat template -> AsyncEngine -> SSE or JSON. Errors use
+OpenAI's body `{"error": {"message", "type", "param", "code"}}`; nothing a client sends produces a stack
+trace or stops the engine loop. A client that disconnects aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from conveyor.server.api.metrics import EngineMetrics
+from conveyor.server.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from conveyor.server.engine.async_engine import AsyncEngine
+from conveyor.server.engine.engine import InvalidRequestError, RequestOutput
+from conveyor.server.engine.request import Logprob, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(
+            self.status, "internal_server_error"
+        )
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+@dataclass
+class _Choice:
+    """Accumulated output of one choice (one engine request)."""
+
+    index: int
+    num_prompt_tokens: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class OpenAIServer:
+    """Turns HTTP requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.model_name = engine.engine.served_model_name
+        self.max_model_len = engine.engine.max_model_len
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # the template's own error (e.g. roles out of order)
+            raise APIError(400, f"messages: the chat template rejected them: {exc}", "messages") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine.engine.validate(prompt_ids, params)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+
+    async def _merged(
+        self, prompts: list[list[int]], params: SamplingParams, n: int, priority: int, arrival: float
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every (prompt, choice) as its own engine request; yield (choice index, output) as they
+        come. Closing this iterator aborts every request still running."""
+        base = uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, prompt_ids: list[int], choice_params: SamplingParams) -> None:
+            try:
+                async for out in self.engine.generate(
+                    f"{base}-{index}", prompt_ids, choice_params, arrival, priority
+                ):
+                    await queue.put((index, out))
+            except Exception as exc:
+                await queue.put((index, exc))
+
+        tasks = []
+        for p, prompt_ids in enumerate(prompts):
+            for i in range(n):
+                choice_params = params
+                if params.seed is not None and i:
+                    # vLLM's rule: choice i of a seeded request uses seed + i, so choices differ and repeat.
+                    choice_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+                tasks.append(asyncio.create_task(pump(p * n + i, prompt_ids, choice_params)))
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise APIError(500, f"generation failed: {item}") from item
+                if item.finished:
+                    remaining -= 1
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    # -- completions ----------------------------------------------------------------------------------
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            return [self.tokenizer(prompt)["input_ids"]]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
+
+    def _completion_logprobs(self, choice: _Choice) -> dict | None:
+        if not choice.logprobs:
+            return None
+        tokens, offsets, offset = [], [], 0
+        for lp in choice.logprobs:
+            tokens.append(self.token_text(lp.token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in choice.logprobs],
+            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in choice.logprobs],
+            "text_offset": offsets,
+        }
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(req.model)
+        prompts = self._completion_prompts(req)
+        params = req.sampling_params(req.max_tokens or 16, req.logprobs)
+        for prompt_ids in prompts:
+            self.validate(prompt_ids, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        stream = self._merged(prompts, params, req.n, req.priority, arrival)
+        num_prompt_tokens = sum(len(p) for p in prompts)
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+            body["choices"] = choices
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        if req.stream:
+
+            async def events() -> AsyncIterator[str]:
+                completion_tokens = 0
+                try:
+                    async for index, out in stream:
+                        if out.finished:
+                            completion_tokens += out.num_output_tokens
+                        if not out.new_text and not out.finished:
+                            continue
+                        lp = self._completion_logprobs(_Choice(index, logprobs=out.new_logprobs))
+                        reason = out.finish_reason.value if out.finish_reason else None
+                        yield chunk(
+                            [{"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}]
+                        )
+                    if req.include_usage:
+                        yield chunk([], _usage(num_prompt_tokens, completion_tokens))
+                except APIError as exc:
+                    yield f"data: {exc.response().body.decode()}\n\n"
+                finally:
+                    await stream.aclose()  # a client gone mid-stream aborts its requests now
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        choices = await self._collect(stream, raw, len(prompts) * req.n)
+        body = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": self._completion_logprobs(c),
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": _usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices)),
+        }
+        return JSONResponse(body)
+
+    async def _collect(
+        self, stream: AsyncIterator[tuple[int, RequestOutput]], raw: Request, num: int
+    ) -> list[_Choice]:
+        """Gather a non-streamed response; abort everything if the client disconnects meanwhile."""
+        choices = [_Choice(i) for i in range(num)]
+
+        async def gather() -> None:
+            async for index, out in stream:
+                c = choices[index]
+                c.text += out.new_text
+                c.token_ids += out.new_token_ids
+                c.logprobs += out.new_logprobs
+                if out.finished:
+                    c.finish_reason = out.finish_reason.value if out.finish_reason else None
+
+        task = asyncio.create_task(gather())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    await stream.aclose()
+                    raise APIError(499, "client disconnected")
+            task.result()
+        finally:
+            await stream.aclose()
+        return choices
+
+    # -- chat completions -------------------------------------------------------------------------------
+
+    def _chat_logprobs(self, logprobs: list[Logprob], top_n: int | None) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for lp in logprobs:
+            item = entry(lp.token_id, lp.logprob)
+            item["top_logprobs"] = [entry(t, v) for t, v in lp.top[: top_n or 0]]
+            content.append(item)
+        return {"content": content}
+
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(req.model)
+        prompt_ids = self.chat_prompt_ids(req.messages)
+        max_tokens = (
+            req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
+        )
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        self.validate(prompt_ids, params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        stream = self._merged([prompt_ids], params, req.n, req.priority, arrival)
+        top_n = req.top_logprobs
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+            }
+            body["choices"] = choices
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        if req.stream:
+
+            async def events() -> AsyncIterator[str]:
+                completion_tokens = 0
+                try:
+                    for i in range(req.n):
+                        delta = {"role": "assistant", "content": ""}
+                        yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+                    async for index, out in stream:
+                        if out.finished:
+                            completion_tokens += out.num_output_tokens
+                        if not out.new_text and not out.finished:
+                            continue
+                        lp = self._chat_logprobs(out.new_logprobs, top_n) if req.logprobs else None
+                        reason = out.finish_reason.value if out.finish_reason else None
+                        delta = {"content": out.new_text} if out.new_text else {}
+                        yield chunk(
+                            [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]
+                        )
+                    if req.include_usage:
+                        yield chunk([], _usage(len(prompt_ids), completion_tokens))
+                except APIError as exc:
+                    yield f"data: {exc.response().body.decode()}\n\n"
+                finally:
+                    await stream.aclose()  # a client gone mid-stream aborts its requests now
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        choices = await self._collect(stream, raw, req.n)
+        body = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c.logprobs, top_n) if req.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in choices)),
+        }
+        return JSONResponse(body)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg')}", None
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    return f"{where}: {first.get('msg')}", param
+
+
+def create_app(engine: AsyncEngine, metrics: EngineMetrics) -> FastAPI:
+    """The FastAPI app. Starts the engine loop on startup and stops it on shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not engine.is_running:
+            engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="conveyor", lifespan=lifespan)
+    server = OpenAIServer(engine, metrics)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return APIError(400, message, param).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": server.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "conveyor",
+            "max_model_len": server.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await server.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await server.chat_completions(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        server.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            tokens = server.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        else:
+            tokens = server.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        server.check_model(req.model)
+        vocab = engine.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be in [0, {vocab}); got {bad[:5]}", "tokens")
+        return {"prompt": server.tokenizer.decode(req.tokens)}
+
+    return app

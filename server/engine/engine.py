@@ -1,0 +1,330 @@
+"""The engine: validates and admits requests, and runs steps (schedule -> model runner -> outputs).
+
+Synchronous and single-threaded; `AsyncEngine` runs it in its own thread beside the asyncio server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from conveyor.kernels import default_backend, load_backend
+from conveyor.server import capacity
+from conveyor.server.config import EngineConfig, GiB
+from conveyor.server.engine.detokenizer import IncrementalDetokenizer
+from conveyor.server.engine.kv_cache import KVCacheManager
+from conveyor.server.engine.request import FinishReason, Logprob, Request, SamplingParams
+from conveyor.server.engine.scheduler import Scheduler, SchedulerOutput
+from conveyor.server.model import loader
+from conveyor.server.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * GiB
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve; `param` names the offending field (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt plus max_tokens exceed max_model_len. Carries the token counts."""
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        if num_prompt_tokens >= max_model_len:
+            msg = (
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens."
+            )
+            param = "prompt"
+        else:
+            msg = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                f"in max_tokens)."
+            )
+            param = "max_tokens"
+        super().__init__(msg, param)
+
+
+class StatsObserver(Protocol):
+    """Receives engine events (the Prometheus metrics implement it)."""
+
+    def on_step(self, engine: LLMEngine, schedule: SchedulerOutput) -> None: ...
+    def on_new_tokens(
+        self, request: Request, num_new_tokens: int, now: float, previous_token_time: float | None
+    ) -> None: ...
+    def on_finished(self, request: Request) -> None: ...
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. Times in seconds (time.monotonic)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[Logprob]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepRecord:
+    """One engine step: (request id, tokens computed) per scheduled request, and preemptions."""
+
+    scheduled: tuple[tuple[str, int], ...]
+    num_preempted: int
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    max_num_seqs_in_step: int = 0
+    recent_steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))
+
+
+class LLMEngine:
+    """Loads the model, sizes the KV cache, and serves requests step by step."""
+
+    def __init__(self, config: EngineConfig, observer: StatsObserver | None = None) -> None:
+        self.config = config
+        self.observer = observer
+        mc, cc, dc = config.model, config.cache, config.device
+        device_type = dc.device if dc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device_type)
+        source = loader.resolve_model(mc.model)
+        self.served_model_name = mc.served_model_name or source.default_name
+        hf_config = loader.load_config(source)
+        self.dtype = self._pick_dtype(mc.dtype, hf_config)
+        backend = dc.attention_backend if dc.attention_backend != "auto" else default_backend(device_type)
+        logger.info("device %s, dtype %s, kernel backend %s", self.device, self.dtype, backend)
+        ops = load_backend(backend)
+        self.tokenizer = loader.load_tokenizer(source)
+        self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops)
+        shape = self.model.shape
+        self.vocab_size = shape.vocab_size
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.max_model_len = mc.max_model_len or shape.max_position_embeddings
+        if self.max_model_len > shape.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{shape.max_position_embeddings}"
+            )
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        self.kv_bytes_per_token = capacity.kv_bytes_per_token(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_name
+        )
+        pool_bytes = self._kv_pool_bytes(ops)
+        num_blocks = capacity.num_kv_blocks_for_pool(pool_bytes, self.kv_bytes_per_token, cc.block_size)
+        pool_tokens = num_blocks * cc.block_size
+        if pool_tokens < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {pool_tokens} tokens ({pool_bytes} bytes at {self.kv_bytes_per_token} "
+                f"bytes/token), fewer than max_model_len {self.max_model_len}: raise --kv-cache-memory "
+                f"(or --gpu-memory-utilization) or lower --max-model-len"
+            )
+        fits = pool_tokens // self.max_model_len
+        max_num_seqs = config.scheduler.max_num_seqs or fits
+        if max_num_seqs > fits:
+            logger.warning(
+                "--max-num-seqs %d is more than the %d sequences of max_model_len %d the KV cache holds; "
+                "long sequences will be preempted",
+                max_num_seqs,
+                fits,
+                self.max_model_len,
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d bytes/token); maximum concurrency at "
+            "max_model_len %d: %.2fx; max_num_seqs %d",
+            num_blocks,
+            cc.block_size,
+            pool_bytes / GiB,
+            self.kv_bytes_per_token,
+            self.max_model_len,
+            pool_tokens / self.max_model_len,
+            max_num_seqs,
+        )
+        self.kv_cache = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_num_seqs)
+        self.runner = ModelRunner(self.model, ops, num_blocks, cc.block_size, self.dtype, self.device)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.global_generator = torch.Generator().manual_seed(mc.seed)
+        self.stats = EngineStats()
+
+    def _pick_dtype(self, name: str, hf_config) -> torch.dtype:
+        if name != "auto":
+            return _DTYPES[name]
+        if self.device.type == "cpu":
+            return torch.bfloat16
+        configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        return configured if configured in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def _kv_pool_bytes(self, ops) -> int:
+        cc = self.config.cache
+        if self.device.type != "cuda":
+            return cc.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        if cc.kv_cache_memory:
+            return cc.kv_cache_memory
+        # Profile the peak of a step at the full token budget, then give the KV cache what remains of
+        # gpu_memory_utilization (vLLM's method).
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        probe_blocks = -(-num_tokens // cc.block_size)
+        probe = ModelRunner(self.model, ops, probe_blocks, cc.block_size, self.dtype, self.device)
+        probe.profile(num_tokens)
+        peak = torch.cuda.max_memory_allocated()
+        del probe
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        pool = int(total * cc.gpu_memory_utilization) - peak
+        if pool <= 0:
+            raise capacity.InsufficientGPUMemoryError(peak, int(total * cc.gpu_memory_utilization))
+        return pool
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (naming the field) for a request this engine cannot serve."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "prompt"
+            )
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(f"stop_token_ids out of vocabulary: {bad_stop[:5]}", "stop_token_ids")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request. Raises InvalidRequestError."""
+        self.validate(prompt_token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+        )
+        if request.generator is None:
+            request.generator = self.global_generator
+        self.scheduler.add_request(request)
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a queued or running request; its blocks are free when this returns."""
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return None
+        return self._finish_output(request, [], [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, execute, sample, detokenize, finish. Returns per-request outputs."""
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            if self.observer is not None:
+                self.observer.on_step(self, schedule)
+            return []
+        try:
+            sampled_ids, samples = self.runner.execute(schedule)
+        except Exception:
+            # A failed forward must not leave requests holding blocks: abort the step's requests.
+            for sched in schedule.scheduled:
+                self.scheduler.finish_request(sched.request, FinishReason.ABORT)
+                self.detokenizers.pop(sched.request.request_id, None)
+            raise
+        sampled = dict(zip(sampled_ids, samples.token_ids, strict=True))
+        logprobs = dict(zip(sampled_ids, samples.logprobs, strict=True))
+        self._record_step(schedule)
+        updated = self.scheduler.update_from_output(schedule, sampled, self.max_model_len)
+        outputs = []
+        for request, previous_token_time in updated:
+            lp = logprobs[request.request_id]
+            if lp is not None:
+                request.output_logprobs.append(lp)
+            if self.observer is not None:
+                self.observer.on_new_tokens(request, 1, request.last_token_time, previous_token_time)
+            detok = self.detokenizers[request.request_id]
+            if detok.update([request.output_token_ids[-1]]) and not request.is_finished:
+                self.scheduler.finish_request(request, FinishReason.STOP)
+            outputs.append(self._output(request, [request.output_token_ids[-1]], [lp] if lp else []))
+        if self.observer is not None:
+            self.observer.on_step(self, schedule)
+        return outputs
+
+    def _record_step(self, schedule: SchedulerOutput) -> None:
+        self.stats.num_steps += 1
+        n = len(schedule.scheduled)
+        self.stats.max_num_seqs_in_step = max(self.stats.max_num_seqs_in_step, n)
+        self.stats.recent_steps.append(
+            StepRecord(
+                tuple((s.request.request_id, s.num_new_tokens) for s in schedule.scheduled),
+                len(schedule.preempted),
+            )
+        )
+
+    def _output(self, request: Request, new_ids: list[int], new_logprobs: list[Logprob]) -> RequestOutput:
+        if request.is_finished:
+            return self._finish_output(request, new_ids, new_logprobs)
+        return RequestOutput(
+            request.request_id,
+            new_ids,
+            self.detokenizers[request.request_id].delta(finished=False),
+            new_logprobs,
+            False,
+            None,
+            request.num_prompt_tokens,
+            len(request.output_token_ids),
+            request.num_cached_tokens,
+        )
+
+    def _finish_output(
+        self, request: Request, new_ids: list[int], new_logprobs: list[Logprob]
+    ) -> RequestOutput:
+        detok = self.detokenizers.pop(request.request_id, None)
+        if self.observer is not None:
+            self.observer.on_finished(request)
+        return RequestOutput(
+            request.request_id,
+            new_ids,
+            detok.delta(finished=True) if detok else "",
+            new_logprobs,
+            True,
+            request.finish_reason,
+            request.num_prompt_tokens,
+            len(request.output_token_ids),
+            request.num_cached_tokens,
+        )

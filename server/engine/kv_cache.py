@@ -1,0 +1,141 @@
+"""The KV cache block manager: which physical blocks each request owns, and the prefix cache.
+
+Bookkeeping only; the tensors live in the model runner. Design as in vLLM (PagedAttention, Kwon et al.,
+SOSP 2023; automatic prefix caching): fixed-size blocks, a block table per request, reference counts
+so identical full prompt blocks are shared, a block identified by hash(parent block hash, its token
+ids), and free blocks reused least-recently-freed first so cached content survives as long as possible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from conveyor.server.engine.request import Request
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """Identity of a full block: a 128-bit BLAKE2b digest of its parent's hash and its token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"root")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class KVCacheManager:
+    """Allocates KV cache blocks to requests.
+
+    num_blocks: blocks in the pool; block_size: tokens per block. A request's blocks are
+    `request.block_table`; only this class changes it.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # Blocks with ref count 0, oldest-freed first (the LRU eviction order).
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached_blocks: dict[bytes, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up at admission, as vLLM counts them
+        self.prefix_cache_hits = 0  # of which found cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0-1); cached blocks nobody holds count as free."""
+        return 1.0 - len(self.free_blocks) / self.num_blocks
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend `request.block_hashes` to cover every full block within its first `num_tokens` tokens."""
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(len(request.block_hashes), num_tokens // bs):
+            parent = request.block_hashes[i - 1] if i else None
+            request.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of the request's tokens (longest run of hits).
+
+        At least the last token is always left to compute, so the model produces its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_blocks * self.block_size)
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int]) -> bool:
+        """Give the request blocks for `computed_blocks` plus `num_new_tokens` more tokens.
+
+        `computed_blocks` (from get_computed_blocks, only for a request holding no blocks) are shared;
+        the request's `num_computed_tokens` must already count them. Returns False, changing nothing,
+        when the pool cannot supply the blocks.
+        """
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        blocks_needed = -(-total_tokens // self.block_size)
+        num_new_blocks = blocks_needed - len(request.block_table) - len(computed_blocks)
+        # Cached blocks nobody holds are in the free list: reusing them takes them out of it.
+        num_reused_free = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
+        if num_new_blocks + num_reused_free > len(self.free_blocks):
+            return False
+        if self.enable_prefix_caching and not request.block_table:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+        for block_id in computed_blocks:
+            if self.ref_counts[block_id] == 0:
+                del self.free_blocks[block_id]
+            self.ref_counts[block_id] += 1
+            request.block_table.append(block_id)
+        for _ in range(max(0, num_new_blocks)):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            old_hash = self.block_hash[block_id]
+            if old_hash is not None:
+                # Evict: the block's old content is about to be overwritten.
+                if self.cached_blocks.get(old_hash) == block_id:
+                    del self.cached_blocks[old_hash]
+                self.block_hash[block_id] = None
+            self.ref_counts[block_id] = 1
+            request.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        self._update_block_hashes(request, num_full * self.block_size)
+        for i in range(num_full):
+            block_id = request.block_table[i]
+            if self.block_hash[block_id] is not None:
+                continue
+            block_hash = request.block_hashes[i]
+            self.block_hash[block_id] = block_hash
+            self.cached_blocks.setdefault(block_hash, block_id)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks. Tail blocks go first into the free list, so they are evicted
+        before the prefix blocks other requests are likelier to share."""
+        for block_id in reversed(request.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None
+        request.block_table = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (blocks in use keep their content)."""
+        self.cached_blocks.clear()
+        self.block_hash = [None] * self.num_blocks

@@ -1,0 +1,199 @@
+"""The scheduler: each step, which requests run and how many tokens each computes. No tensors here.
+
+Iteration-level scheduling (Orca, Yu et al., OSDI 2022) with chunked prefill (Sarathi-Serve, Agrawal et
+al., OSDI 2024), as vLLM's unified scheduler does it: every request has `num_computed_tokens` and
+`num_tokens`; a step gives each scheduled request `num_new_tokens` to compute. Running requests (mostly
+decodes, one token each) are served first, then waiting prompts fill what is left of the token budget,
+in chunks when chunked prefill is on. When KV blocks run out, the most recently arrived running request
+is preempted: its blocks are freed, it keeps its generated tokens and goes back to the waiting queue to
+be recomputed (vLLM's recompute preemption). Finished and aborted requests free their blocks at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from conveyor.server.config import SchedulerConfig
+from conveyor.server.engine.kv_cache import KVCacheManager
+from conveyor.server.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """`num_new_tokens` tokens of `request`, starting at its `num_computed_tokens`, run this step."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. `num_batched_tokens` is the sum of `num_new_tokens`."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides who runs each step. Pure bookkeeping over `Request`s and the KV cache manager.
+
+    max_model_len: requests never grow past it (the engine validates prompts against it).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def _order_key(self, request: Request) -> tuple[int, float]:
+        if self.config.scheduling_policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (0, request.arrival_time)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, reason: FinishReason) -> None:
+        """Stop a request (finished or aborted) and free its blocks now."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = time.monotonic()
+        del self.requests[request.request_id]
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort by id; returns the request, or None when it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, FinishReason.ABORT)
+        return request
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: at most `max_num_batched_tokens` tokens and `max_num_seqs` running requests."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill and self.config.scheduling == "continuous"
+        self.running.sort(key=self._order_key)
+
+        # Running requests first, oldest first; preempt from the newest end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not chunked and num_new > budget:
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            while not self.kv_cache.allocate_slots(request, num_new, []):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+
+        # Then waiting requests; static batching admits a new batch only when the last one is done.
+        admit = not out.preempted and (self.config.scheduling == "continuous" or not self.running)
+        self.waiting.sort(key=self._order_key)
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.kv_cache.get_computed_blocks(request)
+            num_computed = len(computed) * self.kv_cache.block_size
+            num_new = request.num_tokens - num_computed
+            if not chunked and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            request.num_computed_tokens = num_computed
+            if not self.kv_cache.allocate_slots(request, num_new, computed):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], max_model_len: int
+    ) -> list[tuple[Request, float | None]]:
+        """Advance the step's requests; append sampled tokens; finish on EOS, stop token ids, max_tokens
+        or max_model_len. Returns the requests that got a new token this step (finished ones included),
+        each with the time of its previous token (None for a first token).
+        """
+        updated: list[tuple[Request, float | None]] = []
+        now = time.monotonic()
+        for sched in output.scheduled:
+            request = sched.request
+            request.num_computed_tokens += sched.num_new_tokens
+            self.kv_cache.cache_full_blocks(request)
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            request.last_token_time, previous = now, request.last_token_time
+            if request.first_token_time is None:
+                request.first_token_time = now
+            updated.append((request, previous))
+            reason = self._check_stop(request, token_id, max_model_len)
+            if reason is not None:
+                self.finish_request(request, reason)
+        return updated
+
+    @staticmethod
+    def _check_stop(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

