@@ -27,9 +27,12 @@ _DECODE_BLOCK_N = 64
 _MAX_KV_SPLITS = 64
 # A split shorter than this spends more on its partial write and the reduce than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
-# Prefill tiling.
+# Prefill tiling. float32 K/V tiles are twice as large: halve BLOCK_N so two pipeline stages of K and V
+# still fit in an A100's 164 KiB of shared memory at head_dim 128.
 _PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 64
+_PREFILL_BLOCK_N_FP32 = 32
+_NUM_STAGES = 2
 
 
 @triton.jit
@@ -408,6 +411,8 @@ def paged_attention_decode(
         BLOCK_N=_DECODE_BLOCK_N,
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST_DOT=_upcast_dot(query),
+        num_warps=4,
+        num_stages=_NUM_STAGES,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out,
@@ -425,7 +430,8 @@ def paged_attention_decode(
         partial_lse.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
+        # A one-element block is legal but an unusual layout; two with one masked is the common case.
+        NUM_SPLITS=max(2, num_splits),
     )
 
 
@@ -472,10 +478,12 @@ def paged_attention_prefill(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=_PREFILL_BLOCK_M,
-        BLOCK_N=_PREFILL_BLOCK_N,
+        BLOCK_N=_PREFILL_BLOCK_N_FP32 if query.dtype == torch.float32 else _PREFILL_BLOCK_N,
         SKIP_DECODE=skip_decode,
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST_DOT=_upcast_dot(query),
+        num_warps=4,
+        num_stages=_NUM_STAGES,
     )
 
 
