@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from conveyor.kernels import reference as ref
 
 # (num_heads, num_kv_heads, head_dim, block_size)
