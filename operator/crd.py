@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from conveyor.operator.spec import (
     GROUP,
     KIND,

@@ -13,6 +13,8 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
+from pydantic import ValidationError
+
 from conveyor.operator.catalog import (
     ACTIVATION_RESERVE_BYTES_PER_GPU,
     GiB,
@@ -24,7 +26,6 @@ from conveyor.operator.catalog import (
 )
 from conveyor.operator.spec import InferenceServiceSpec
 from conveyor.server.capacity import CapacityPlan, InsufficientGPUMemoryError, dtype_bytes, plan_capacity
-from pydantic import ValidationError
 
 # Catalog models are stored in bfloat16, so `auto` plans with 2-byte weights and KV.
 AUTO_DTYPE = "bfloat16"

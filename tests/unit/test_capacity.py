@@ -8,6 +8,7 @@ lies within 5% of the published figure.
 """
 
 import pytest
+
 from conveyor.operator import plan as plan_cli
 from conveyor.operator.catalog import GiB, lookup_gpu
 from conveyor.operator.plan import KVCacheTooSmallError, MaxModelLenTooLongError, plan_for_spec

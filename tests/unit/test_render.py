@@ -4,6 +4,7 @@ import copy
 from typing import Any
 
 import pytest
+
 from conveyor.operator.plan import plan_for_spec
 from conveyor.operator.render import (
     Owner,

@@ -5,9 +5,10 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
+
 from conveyor.operator import crd
 from conveyor.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, parse_spec
-from pydantic import ValidationError
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATHS = [REPO / "crds" / crd.CRD_FILENAME, REPO / "charts" / "conveyor" / "crds" / crd.CRD_FILENAME]

@@ -1,0 +1,479 @@
+"""The operator against the local control plane (tests/k8s/cluster.py): CRD, examples, status, drift,
+CEL validation, impossible specs, garbage collection and the scale subresource.
+
+The operator runs as a subprocess (`python -m conveyor.operator.run --standalone --namespace NS`), as
+`conveyor operator` would; kwok runs the pods it creates on simulated GPU nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from tests.k8s.cluster import LocalCluster, NodePool
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_PATH = REPO / "crds" / "serving.conveyor.dev_inferenceservices.yaml"
+LLAMA_EXAMPLE = REPO / "examples" / "llama-3-8b-a100.yaml"
+SMOLLM_EXAMPLE = REPO / "examples" / "smollm2-135m-l4.yaml"
+ISVC_LABEL = "serving.conveyor.dev/inferenceservice"
+T = TypeVar("T")
+
+# A stand-in for the Prometheus operator's CRD: enough for the API to exist.
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "names": {"kind": "ServiceMonitor", "plural": "servicemonitors", "singular": "servicemonitor"},
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                },
+            }
+        ],
+    },
+}
+
+
+class Operator:
+    """The operator subprocess; its log is read back into failure messages."""
+
+    def __init__(self, cluster: LocalCluster, namespace: str, log_path: Path) -> None:
+        self.log_path = log_path
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "conveyor.operator.run", "--standalone", "--namespace", namespace],
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+
+
+class Env:
+    """One namespace with the CRD installed and an operator watching it."""
+
+    def __init__(self, cluster: LocalCluster, namespace: str, operator: Operator) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.operator = operator
+
+    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl("-n", self.namespace, *args, **kwargs)
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        result = self.kubectl("get", kind, name, "-o", "json", check=False)
+        if result.returncode != 0:
+            if "NotFound" in result.stderr:
+                return None
+            raise AssertionError(result.stderr)
+        return json.loads(result.stdout)
+
+    def items(self, kind: str, selector: str) -> list[dict[str, Any]]:
+        return json.loads(self.kubectl("get", kind, "-l", selector, "-o", "json").stdout)["items"]
+
+    def apply(self, manifest: dict[str, Any] | Path) -> subprocess.CompletedProcess[str]:
+        if isinstance(manifest, Path):
+            return self.kubectl("apply", "-f", str(manifest))
+        return self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+
+    def eventually(self, probe: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
+        """Poll `probe` until it returns something truthy; fail with the operator's log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = probe()
+            if result:
+                return result
+            if self.operator.process.poll() is not None:
+                pytest.fail(
+                    f"operator exited ({self.operator.process.returncode}):\n{self.operator.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{self.operator.log_tail()}")
+            time.sleep(0.25)
+
+    def condition(self, name: str, type_: str) -> dict[str, Any] | None:
+        isvc = self.get("inferenceservice", name) or {}
+        return next((c for c in isvc.get("status", {}).get("conditions", []) if c["type"] == type_), None)
+
+    def wait_ready(self, name: str, replicas: int = 1, timeout: float = 90.0) -> dict[str, Any]:
+        """Wait until Ready=True with `replicas` ready and status observed for the current generation."""
+
+        def probe() -> dict[str, Any] | None:
+            isvc = self.get("inferenceservice", name)
+            if not isvc:
+                return None
+            status = isvc.get("status", {})
+            ready = next((c for c in status.get("conditions", []) if c["type"] == "Ready"), {})
+            if (
+                ready.get("status") == "True"
+                and status.get("readyReplicas") == replicas
+                and status.get("observedGeneration") == isvc["metadata"]["generation"]
+            ):
+                return isvc
+            return None
+
+        return self.eventually(probe, f"{name} Ready with {replicas} replicas", timeout)
+
+    def pods(self, name: str) -> list[dict[str, Any]]:
+        return self.items("pods", f"{ISVC_LABEL}={name}")
+
+    def delete(self, name: str) -> None:
+        """Delete an InferenceService and wait until its pods are gone (their GPUs are free again)."""
+        self.kubectl("delete", "inferenceservice", name, "--ignore-not-found", "--wait=true")
+        self.eventually(lambda: not self.pods(name), f"pods of {name} gone", timeout=60)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        selector = f"involvedObject.kind=InferenceService,involvedObject.name={name}"
+        out = self.kubectl("get", "events", "--field-selector", selector, "-o", "json").stdout
+        return json.loads(out)["items"]
+
+
+def isvc(name: str, **spec: Any) -> dict[str, Any]:
+    """An InferenceService manifest: Llama-3-8B at 4K on one A100-80GB unless `spec` says otherwise."""
+    body: dict[str, Any] = {
+        "model": {"name": "llama-3-8b", "maxModelLen": 4096},
+        "resources": {"gpuType": "a100-80gb"},
+        "replicas": 1,
+    }
+    for key, value in spec.items():
+        if isinstance(value, dict) and isinstance(body.get(key), dict):
+            body[key] = {**body[key], **value}
+        elif value is None:
+            body.pop(key, None)
+        else:
+            body[key] = value
+    return {
+        "apiVersion": "serving.conveyor.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+def container_args(deployment: dict[str, Any]) -> list[str]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@pytest.fixture(scope="module")
+def env(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    k8s.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
+    k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
+    for crd in ("inferenceservices.serving.conveyor.dev", "servicemonitors.monitoring.coreos.com"):
+        k8s.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    namespace = k8s.create_namespace("operator")
+    log_path = tmp_path_factory.mktemp("operator") / "operator.log"
+    operator = Operator(k8s, namespace, log_path)
+    try:
+        yield Env(k8s, namespace, operator)
+    finally:
+        operator.stop()
+        k8s.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_llama_example_reproduces_the_worked_example(env: Env) -> None:
+    env.apply(LLAMA_EXAMPLE)
+    try:
+        resource = env.wait_ready("llama-3-8b")
+        status = resource["status"]
+        assert status["capacity"]["kvBytesPerToken"] == 131072
+        assert status["capacity"]["maxNumSeqs"] == 112
+        assert status["capacity"]["maxConcurrencyAtMaxModelLen"] == pytest.approx(112.08, abs=0.01)
+        assert status["url"] == f"http://llama-3-8b.{env.namespace}.svc.cluster.local"
+        assert status["selector"] == f"{ISVC_LABEL}=llama-3-8b"
+        conditions = {c["type"]: c for c in status["conditions"]}
+        assert conditions["CapacityPlanned"]["status"] == "True"
+        assert "max_num_seqs 112" in conditions["CapacityPlanned"]["message"]
+        assert conditions["Scaling"]["status"] == "False"
+
+        deployment = env.get("deployment", "llama-3-8b")
+        assert deployment is not None
+        args = container_args(deployment)
+        assert args[:2] == ["serve", "meta-llama/Meta-Llama-3-8B-Instruct"]
+        assert flag(args, "--max-num-seqs") == "112"
+        assert flag(args, "--max-model-len") == "4096"
+        assert flag(args, "--gpu-memory-utilization") == "0.9"
+        assert flag(args, "--tensor-parallel-size") == "1"
+        assert flag(args, "--max-num-batched-tokens") == "8192"
+        pod_spec = deployment["spec"]["template"]["spec"]
+        container = pod_spec["containers"][0]
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi"}
+        assert container["startupProbe"]["httpGet"]["path"] == "/health"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+
+        (pod,) = env.pods("llama-3-8b")
+        assert pod["status"]["phase"] == "Running"
+        node = env.cluster.kubectl("get", "node", pod["spec"]["nodeName"], "-o", "json").stdout
+        assert json.loads(node)["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
+
+        uid = resource["metadata"]["uid"]
+        for kind in ("deployment", "service", "poddisruptionbudget", "servicemonitor"):
+            child = env.get(kind, "llama-3-8b")
+            assert child is not None, f"{kind} missing"
+            assert [r["uid"] for r in child["metadata"]["ownerReferences"]] == [uid], kind
+
+        reasons = {e["reason"] for e in env.events("llama-3-8b")}
+        assert {"CapacityPlanned", "Created"} <= reasons
+
+        table = env.kubectl("get", "cisvc", "llama-3-8b").stdout
+        header, row = table.splitlines()
+        assert header.split() == ["NAME", "MODEL", "GPU", "REPLICAS", "READY", "MAXSEQS", "URL", "AGE"]
+        assert row.split()[:7] == [
+            "llama-3-8b",
+            "llama-3-8b",
+            "a100-80gb",
+            "1",
+            "1",
+            "112",
+            f"http://llama-3-8b.{env.namespace}.svc.cluster.local",
+        ]
+    finally:
+        env.delete("llama-3-8b")
+
+
+def test_smollm2_example_on_l4_nodes(env: Env) -> None:
+    nodes = env.cluster.add_nodes(
+        NodePool(product="NVIDIA-L4", count=1, gpus_per_node=4, name_prefix="operator-l4")
+    )
+    try:
+        env.apply(SMOLLM_EXAMPLE)
+        status = env.wait_ready("smollm2-135m")["status"]
+        assert status["capacity"]["kvBytesPerToken"] == 23040
+        assert status["capacity"]["maxNumSeqs"] == 216
+        (pod,) = env.pods("smollm2-135m")
+        assert pod["spec"]["nodeName"] in nodes
+        deployment = env.get("deployment", "smollm2-135m")
+        assert deployment is not None
+        assert flag(container_args(deployment), "--max-num-seqs") == "216"
+    finally:
+        env.delete("smollm2-135m")
+        env.cluster.delete_nodes(nodes)
+
+
+def test_reconcile_is_idempotent(env: Env) -> None:
+    env.apply(isvc("idem"))
+    try:
+        env.wait_ready("idem")
+        before = {kind: env.get(kind, "idem") for kind in ("deployment", "service", "poddisruptionbudget")}
+        # An annotation change makes kopf run the update handler: a full reconcile with nothing to do.
+        env.kubectl("annotate", "inferenceservice", "idem", "example.com/touched=1")
+
+        def handled() -> bool:
+            isvc_now = env.get("inferenceservice", "idem") or {}
+            annotations = isvc_now["metadata"].get("annotations", {})
+            last = annotations.get("serving.conveyor.dev/last-handled-configuration", "")
+            return "example.com/touched" in last
+
+        env.eventually(handled, "the update handler to run")
+        time.sleep(1)
+        for kind, obj in before.items():
+            after = env.get(kind, "idem")
+            assert after is not None and obj is not None
+            assert after["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"], kind
+    finally:
+        env.delete("idem")
+
+
+def test_spec_edit_rolls_the_deployment(env: Env) -> None:
+    env.apply(isvc("roll"))
+    try:
+        env.wait_ready("roll")
+        first = env.get("deployment", "roll")
+        assert first is not None and flag(container_args(first), "--max-num-seqs") == "112"
+        env.kubectl(
+            "patch",
+            "inferenceservice",
+            "roll",
+            "--type=merge",
+            "-p",
+            '{"spec":{"model":{"maxModelLen":8192}}}',
+        )
+
+        def rolled() -> dict[str, Any] | None:
+            dep = env.get("deployment", "roll")
+            status = (dep or {}).get("status", {})
+            if (
+                dep
+                and flag(container_args(dep), "--max-num-seqs") == "56"
+                and status.get("observedGeneration") == dep["metadata"]["generation"]
+                and status.get("updatedReplicas") == 1
+                and status.get("replicas") == 1
+                and status.get("readyReplicas") == 1
+            ):
+                return dep
+            return None
+
+        second = env.eventually(rolled, "the rollout to --max-num-seqs 56")
+        assert second["metadata"]["generation"] > first["metadata"]["generation"]
+        (pod,) = env.pods("roll")
+        assert flag(pod["spec"]["containers"][0]["args"], "--max-model-len") == "8192"
+        status = env.wait_ready("roll")["status"]
+        assert status["capacity"]["maxNumSeqs"] == 56
+    finally:
+        env.delete("roll")
+
+
+def test_manual_edits_are_corrected(env: Env) -> None:
+    env.apply(isvc("drift"))
+    try:
+        env.wait_ready("drift")
+        dep = env.get("deployment", "drift")
+        assert dep is not None
+        args = container_args(dep)
+        index = args.index("--max-num-seqs") + 1
+        patch = [{"op": "replace", "path": f"/spec/template/spec/containers/0/args/{index}", "value": "999"}]
+        env.kubectl("patch", "deployment", "drift", "--type=json", "-p", json.dumps(patch))
+        env.eventually(
+            lambda: flag(container_args(env.get("deployment", "drift") or dep), "--max-num-seqs") == "112",
+            "the operator to restore --max-num-seqs 112",
+        )
+        env.kubectl("delete", "service", "drift", "--wait=true")
+        env.eventually(lambda: env.get("service", "drift"), "the Service to be recreated")
+    finally:
+        env.delete("drift")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"replicas": None, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+            "minReplicas must be <= maxReplicas",
+        ),
+        (
+            {"resources": {"gpusPerReplica": 3, "tensorParallelSize": 2}},
+            "gpusPerReplica must be divisible by tensorParallelSize",
+        ),
+        ({"replicas": 2, "autoscaling": {"maxReplicas": 4}}, "set either replicas or autoscaling, not both"),
+        ({"model": {"dtype": "int3"}}, "Unsupported value"),
+        ({"engine": {"gpuMemoryUtilization": 1.5}}, "should be less than or equal to 1"),
+    ],
+)
+def test_invalid_objects_are_rejected_by_the_api_server(env: Env, spec: dict[str, Any], message: str) -> None:
+    result = env.kubectl("apply", "-f", "-", input=json.dumps(isvc("invalid", **spec)), check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert env.get("inferenceservice", "invalid") is None
+
+
+def test_too_large_model_reports_insufficient_memory_then_recovers(env: Env) -> None:
+    env.apply(isvc("big", model={"name": "llama-3-70b"}, resources={"gpuType": "h100-80gb"}))
+    try:
+        planned = env.eventually(
+            lambda: (c := env.condition("big", "CapacityPlanned")) and c["status"] == "False" and c,
+            "CapacityPlanned=False",
+        )
+        assert planned["reason"] == "InsufficientGPUMemory"
+        assert "short by" in planned["message"] and "GiB" in planned["message"]
+        resource = env.get("inferenceservice", "big")
+        assert resource is not None
+        assert "capacity" not in resource["status"]
+        assert env.condition("big", "Ready")["reason"] == "CapacityNotPlanned"  # type: ignore[index]
+        warnings = [e for e in env.events("big") if e["type"] == "Warning"]
+        assert any(e["reason"] == "InsufficientGPUMemory" for e in warnings)
+        time.sleep(2)
+        assert env.get("deployment", "big") is None
+        assert env.pods("big") == []
+
+        env.kubectl(
+            "patch",
+            "inferenceservice",
+            "big",
+            "--type=merge",
+            "-p",
+            '{"spec":{"resources":{"gpusPerReplica":4}}}',
+        )
+        status = env.wait_ready("big")["status"]
+        assert env.condition("big", "CapacityPlanned")["status"] == "True"  # type: ignore[index]
+        assert status["capacity"]["kvBytesPerToken"] == 81920
+        deployment = env.get("deployment", "big")
+        assert deployment is not None
+        assert flag(container_args(deployment), "--tensor-parallel-size") == "4"
+        limits = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "4"
+    finally:
+        env.delete("big")
+
+
+def test_delete_removes_every_child(env: Env) -> None:
+    env.apply(isvc("gone"))
+    env.wait_ready("gone")
+    env.kubectl("delete", "inferenceservice", "gone", "--wait=true")
+
+    def all_gone() -> bool:
+        return all(
+            env.get(kind, "gone") is None
+            for kind in ("deployment", "service", "poddisruptionbudget", "servicemonitor")
+        ) and not env.pods("gone")
+
+    env.eventually(all_gone, "garbage collection of the children")
+
+
+def test_kubectl_scale_through_the_scale_subresource(env: Env) -> None:
+    env.apply(isvc("scaled"))
+    try:
+        env.wait_ready("scaled")
+        env.kubectl("scale", "inferenceservice/scaled", "--replicas=3")
+        resource = env.wait_ready("scaled", replicas=3)
+        assert resource["spec"]["replicas"] == 3
+        assert resource["status"]["replicas"] == 3
+        assert len(env.pods("scaled")) == 3
+        scale = json.loads(
+            env.cluster.kubectl(
+                "get",
+                "--raw",
+                f"/apis/serving.conveyor.dev/v1alpha1/namespaces/{env.namespace}"
+                "/inferenceservices/scaled/scale",
+            ).stdout
+        )
+        assert scale["spec"]["replicas"] == 3
+        assert scale["status"]["replicas"] == 3
+        assert scale["status"]["selector"] == f"{ISVC_LABEL}=scaled"
+    finally:
+        env.delete("scaled")
+
+
+def test_examples_are_valid_for_the_api_server(env: Env) -> None:
+    for path in (LLAMA_EXAMPLE, SMOLLM_EXAMPLE):
+        manifest = yaml.safe_load(path.read_text())
+        manifest["metadata"]["name"] = "dry-" + manifest["metadata"]["name"]
+        env.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(manifest))
