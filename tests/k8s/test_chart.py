@@ -1,0 +1,160 @@
+"""The Helm chart (charts/conveyor): `helm lint`, `helm template`, and an install on the local cluster
+whose RBAC covers every call the operator makes.
+
+helm comes with the test-bed binaries (hack/k8s-tools/build.sh), hence the `k8s` marker.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.k8s.cluster import LocalCluster, ensure_binaries
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "conveyor"
+CRD_PATH = REPO / "crds" / "serving.conveyor.dev_inferenceservices.yaml"
+
+
+def helm(tmp_path: Path, *args: str, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run helm offline with a scratch HOME (no repositories, no cache outside tmp_path)."""
+    env = {
+        "HOME": str(tmp_path),
+        "PATH": os.environ.get("PATH", ""),
+        "HELM_CACHE_HOME": str(tmp_path / "cache"),
+        "HELM_CONFIG_HOME": str(tmp_path / "config"),
+        "HELM_DATA_HOME": str(tmp_path / "data"),
+    }
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = str(kubeconfig)
+    result = subprocess.run(
+        [str(ensure_binaries() / "helm"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, f"helm {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def rendered(tmp_path: Path, *args: str) -> dict[str, list[dict[str, Any]]]:
+    """`helm template` output grouped by kind."""
+    out = helm(tmp_path, "template", "conveyor", str(CHART), "--namespace", "conveyor-system", *args).stdout
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in yaml.safe_load_all(out):
+        if doc:
+            by_kind.setdefault(doc["kind"], []).append(doc)
+    return by_kind
+
+
+def operator_args(objects: dict[str, list[dict[str, Any]]]) -> list[str]:
+    (deployment,) = objects["Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["conveyor"]
+    return container["args"]
+
+
+def test_helm_lint(tmp_path: Path) -> None:
+    result = helm(tmp_path, "lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_chart_crd_is_the_generated_crd() -> None:
+    assert (CHART / "crds" / CRD_PATH.name).read_text() == CRD_PATH.read_text()
+
+
+def test_template_defaults(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "--include-crds")
+    assert {
+        "CustomResourceDefinition",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+    } <= set(objects)
+    (crd,) = objects["CustomResourceDefinition"]
+    assert crd == yaml.safe_load(CRD_PATH.read_text())
+    args = operator_args(objects)
+    assert args[0] == "operator"
+    assert "--standalone" in args and "--all-namespaces" in args
+    assert "--liveness=http://0.0.0.0:8080/healthz" in args
+    (deployment,) = objects["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "conveyor"
+    assert pod["containers"][0]["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    (binding,) = objects["ClusterRoleBinding"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "conveyor", "namespace": "conveyor-system"}
+    ]
+
+
+def test_template_namespaces_and_peering(tmp_path: Path) -> None:
+    args = operator_args(
+        rendered(tmp_path, "--set", "watchNamespaces={llm,batch}", "--set", "peering=conveyor")
+    )
+    assert "--namespace=llm" in args and "--namespace=batch" in args
+    assert "--all-namespaces" not in args
+    assert "--peering=conveyor" in args and "--standalone" not in args
+
+
+# Every (verb, resource) the operator and kopf use; `kubectl auth can-i` must say yes to each.
+OPERATOR_PERMISSIONS = [
+    (verb, resource)
+    for resource in ("inferenceservices.serving.conveyor.dev",)
+    for verb in ("get", "list", "watch", "patch")
+] + [
+    ("patch", "inferenceservices.serving.conveyor.dev/status"),
+    *[
+        (verb, resource)
+        for resource in (
+            "deployments.apps",
+            "services",
+            "poddisruptionbudgets.policy",
+            "servicemonitors.monitoring.coreos.com",
+        )
+        for verb in ("get", "list", "watch", "create", "patch")
+    ],
+    ("create", "events"),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("watch", "namespaces"),
+]
+
+
+def test_helm_install_rbac_covers_the_operator(k8s: LocalCluster, tmp_path: Path) -> None:
+    namespace = k8s.create_namespace("chart")
+    release = "conveyor-rbac"
+    helm(
+        tmp_path,
+        "install",
+        release,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--wait=false",
+        kubeconfig=k8s.kubeconfig,
+    )
+    try:
+        k8s.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.conveyor.dev")
+        service_account = f"system:serviceaccount:{namespace}:{release}"
+        denied = []
+        for verb, resource in OPERATOR_PERMISSIONS:
+            result = k8s.kubectl(
+                "auth", "can-i", verb, resource, f"--as={service_account}", "-n", "default", check=False
+            )
+            if result.stdout.strip() != "yes":
+                denied.append(f"{verb} {resource}")
+        assert denied == []
+        deployment = k8s.kubectl("get", "deployment", release, "-n", namespace, "-o", "name").stdout.strip()
+        assert deployment == f"deployment.apps/{release}"
+    finally:
+        helm(tmp_path, "uninstall", release, "--namespace", namespace, kubeconfig=k8s.kubeconfig)
+        k8s.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
