@@ -278,3 +278,39 @@ def test_status_for_a_spec_that_does_not_fit() -> None:
     assert status["capacity"] is None
     assert status["url"] is None
     assert status["replicas"] == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"resources": {"gpusPerReplica": 2}, "model": {"dtype": "bfloat16"}},
+        {
+            "engine": {
+                "maxNumBatchedTokens": 4096,
+                "enablePrefixCaching": False,
+                "enableChunkedPrefill": False,
+            }
+        },
+    ],
+)
+def test_server_args_parse_with_the_servers_own_cli(extra: dict[str, Any]) -> None:
+    """The Deployment's args are accepted by `conveyor serve` and mean what the plan says."""
+    from conveyor.server.cli import build_parser
+
+    spec = _spec(**extra)
+    plan = plan_for_spec(spec)
+    args = build_parser().parse_args(server_args(spec, plan))
+    assert args.command == "serve"
+    assert args.model == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert args.served_model_name == "llama-3-8b"
+    assert args.dtype == spec.model.dtype
+    assert args.max_model_len == spec.model.max_model_len
+    assert args.max_num_seqs == plan.max_num_seqs
+    assert args.gpu_memory_utilization == spec.engine.gpu_memory_utilization
+    assert args.tensor_parallel_size == spec.tensor_parallel_size
+    assert args.block_size == spec.engine.block_size
+    assert args.enable_prefix_caching is spec.engine.enable_prefix_caching
+    assert args.enable_chunked_prefill is spec.engine.enable_chunked_prefill
+    assert args.max_num_batched_tokens == spec.engine.max_num_batched_tokens
+    assert (args.host, args.port) == ("0.0.0.0", 8000)

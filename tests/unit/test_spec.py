@@ -190,3 +190,16 @@ def test_examples_parse_and_plan(path: Path) -> None:
 
 def test_there_are_two_examples() -> None:
     assert len(EXAMPLES) == 2
+
+
+def test_conveyor_cli_routes_crd_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.server.cli import main
+
+    assert main(["crd"]) == 0
+    assert capsys.readouterr().out == crd.render_crd_yaml()
+    assert main(["plan", "--model", "llama-3-8b", "--gpu", "a100-80gb", "--max-model-len", "8192"]) == 0
+    assert "max_num_seqs        56" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as excinfo:
+        main(["operator", "--help"])
+    assert excinfo.value.code == 0
+    assert "--all-namespaces" in capsys.readouterr().out
