@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test lint fmt install
+.PHONY: serve test lint fmt install k8s-tools cluster
 
 install: $(STAMP)
 
@@ -20,8 +20,16 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/conveyor serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) k8s-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Kubernetes test-bed binaries, built once per machine into ~/.cache (hack/k8s-tools/build.sh).
+k8s-tools:
+	bash hack/k8s-tools/build.sh
+
+# A local control plane with simulated GPU nodes in the foreground; prints `export KUBECONFIG=...`.
+cluster: $(STAMP) k8s-tools
+	$(PY) tests/k8s/cluster.py $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
