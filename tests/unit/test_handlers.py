@@ -1,0 +1,195 @@
+"""The reconcile loop's decisions against an in-memory stand-in for the API (the real API server is in
+tests/k8s/test_operator.py): what is applied, which events are posted, when status is written."""
+
+import copy
+import logging
+from typing import Any
+
+import pytest
+
+from conveyor.operator import handlers
+
+NAMESPACE, NAME = "serving", "llama"
+
+
+class FakeCluster:
+    """Stores objects by (kind, name); apply bumps resourceVersion only when the object changes."""
+
+    def __init__(self, spec: dict[str, Any], service_monitor: bool = False) -> None:
+        self.isvc: dict[str, Any] | None = {
+            "apiVersion": "serving.conveyor.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": NAME, "namespace": NAMESPACE, "uid": "uid-1", "generation": 1},
+            "spec": copy.deepcopy(spec),
+        }
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.status_patches: list[dict[str, Any]] = []
+        self.service_monitor = service_monitor
+        self._version = 0
+
+    def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.isvc)
+
+    def has_service_monitor_api(self) -> bool:
+        return self.service_monitor
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((kind, name)))
+
+    def apply(self, obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        key = (obj["kind"], obj["metadata"]["name"])
+        before = self.objects.get(key)
+        desired = {k: v for k, v in obj.items() if k != "status"}
+        if before is not None:
+            current = {k: v for k, v in before.items() if k != "status"}
+            # Fields the API server sets are not part of what the operator applies.
+            current["metadata"] = {
+                k: v for k, v in current["metadata"].items() if k not in ("resourceVersion", "generation")
+            }
+            if current == desired:
+                return "unchanged", copy.deepcopy(before)
+        self._version += 1
+        stored = copy.deepcopy(desired)
+        stored["metadata"]["resourceVersion"] = str(self._version)
+        stored["status"] = (before or {}).get("status", {})
+        self.objects[key] = stored
+        return ("created" if before is None else "updated"), copy.deepcopy(stored)
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        assert self.isvc is not None
+        self.status_patches.append(status)
+        self.isvc["status"] = {k: v for k, v in status.items() if v is not None}
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    posted: list[tuple[str, str, str]] = []
+
+    def record(body: dict[str, Any], *, type: str, reason: str, message: str) -> None:
+        posted.append((type, reason, message))
+
+    monkeypatch.setattr(handlers.kopf, "event", record)
+    return posted
+
+
+def reconcile(cluster: FakeCluster) -> None:
+    handlers._reconcile(cluster, NAMESPACE, NAME, logging.getLogger("test"))  # type: ignore[arg-type]
+
+
+LLAMA = {"model": {"name": "llama-3-8b", "maxModelLen": 4096}, "resources": {"gpuType": "a100-80gb"}}
+TOO_BIG = {"model": {"name": "llama-3-70b", "maxModelLen": 4096}, "resources": {"gpuType": "a100-80gb"}}
+
+
+def test_first_reconcile_creates_children_and_reports(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA, service_monitor=True)
+    reconcile(cluster)
+    assert sorted(kind for kind, _ in cluster.objects) == [
+        "Deployment",
+        "PodDisruptionBudget",
+        "Service",
+        "ServiceMonitor",
+    ]
+    assert [(t, r) for t, r, _ in events] == [("Normal", "CapacityPlanned")] + [("Normal", "Created")] * 4
+    (status,) = cluster.status_patches
+    assert status["capacity"]["maxNumSeqs"] == 112
+    assert status["observedGeneration"] == 1
+
+
+def test_second_reconcile_changes_nothing(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA)
+    reconcile(cluster)
+    versions = {key: obj["metadata"]["resourceVersion"] for key, obj in cluster.objects.items()}
+    events.clear()
+    reconcile(cluster)
+    assert events == []
+    assert len(cluster.status_patches) == 1
+    assert {key: obj["metadata"]["resourceVersion"] for key, obj in cluster.objects.items()} == versions
+
+
+def test_deployment_status_change_updates_only_status(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA)
+    reconcile(cluster)
+    deployment = cluster.objects[("Deployment", NAME)]
+    deployment["metadata"]["generation"] = 1
+    deployment["status"] = {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+    events.clear()
+    reconcile(cluster)
+    assert events == []
+    ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "ReplicasReady")
+    assert cluster.status_patches[-1]["readyReplicas"] == 1
+
+
+def test_too_big_model_creates_nothing_then_recovers(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(TOO_BIG)
+    reconcile(cluster)
+    assert cluster.objects == {}
+    ((kind, reason, message),) = events
+    assert (kind, reason) == ("Warning", "InsufficientGPUMemory")
+    assert "short by 60.42 GiB" in message
+    planned = cluster.status_patches[-1]["conditions"][0]
+    assert (planned["type"], planned["status"], planned["reason"]) == (
+        "CapacityPlanned",
+        "False",
+        "InsufficientGPUMemory",
+    )
+    # The same failure again posts no second event.
+    reconcile(cluster)
+    assert len(events) == 1
+
+    assert cluster.isvc is not None
+    cluster.isvc["spec"]["resources"]["gpusPerReplica"] = 4
+    cluster.isvc["metadata"]["generation"] = 2
+    reconcile(cluster)
+    deployment = cluster.objects[("Deployment", NAME)]
+    assert (
+        deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        == "4"
+    )
+    assert cluster.status_patches[-1]["conditions"][0]["status"] == "True"
+
+
+def test_an_impossible_edit_keeps_the_running_deployment(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA)
+    reconcile(cluster)
+    before = copy.deepcopy(cluster.objects[("Deployment", NAME)])
+    assert cluster.isvc is not None
+    cluster.isvc["spec"] = copy.deepcopy(TOO_BIG)
+    reconcile(cluster)
+    assert cluster.objects[("Deployment", NAME)] == before
+    assert cluster.status_patches[-1]["capacity"] is None
+
+
+def test_unknown_model_is_a_status_error_not_a_guess(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster({**LLAMA, "model": {"name": "my-finetune", "maxModelLen": 4096}})
+    reconcile(cluster)
+    assert cluster.objects == {}
+    planned = cluster.status_patches[-1]["conditions"][0]
+    assert planned["reason"] == "UnknownModel"
+    assert "model.layers" in planned["message"]
+
+
+def test_spec_edit_updates_the_deployment(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA)
+    reconcile(cluster)
+    assert cluster.isvc is not None
+    cluster.isvc["spec"]["model"]["maxModelLen"] = 8192
+    events.clear()
+    reconcile(cluster)
+    args = cluster.objects[("Deployment", NAME)]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "56"
+    assert ("Normal", "Updated", f"updated Deployment {NAMESPACE}/{NAME}") in events
+
+
+def test_deleted_resource_is_left_to_garbage_collection(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA)
+    cluster.isvc = None
+    reconcile(cluster)
+    assert cluster.objects == {} and cluster.status_patches == [] and events == []
+
+
+@pytest.mark.parametrize(("current", "expected"), [(None, 2), (1, 2), (3, 3), (9, 5)])
+def test_autoscaled_replicas_stay_within_bounds(current: int | None, expected: int) -> None:
+    spec = handlers.parse_spec({**LLAMA, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}})
+    deployment = None if current is None else {"spec": {"replicas": current}}
+    assert handlers._desired_replicas(spec, deployment) == expected
