@@ -193,3 +193,19 @@ def test_autoscaled_replicas_stay_within_bounds(current: int | None, expected: i
     spec = handlers.parse_spec({**LLAMA, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}})
     deployment = None if current is None else {"spec": {"replicas": current}}
     assert handlers._desired_replicas(spec, deployment) == expected
+
+
+def test_the_operator_does_not_import_the_server_stack() -> None:
+    """DESIGN.md: the operator image must not need torch (nor the rest of conveyor[server])."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, conveyor.operator.run, conveyor.operator.handlers, conveyor.operator.plan, "
+        "conveyor.operator.crd; print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'torch', 'transformers', 'triton', 'numpy', 'fastapi', 'uvicorn'}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONSAFEPATH": "1"}
+    )
+    assert result.stdout.strip() == "[]"
