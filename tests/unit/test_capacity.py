@@ -7,11 +7,18 @@ the binary computation gives 112, 56 and 118, which these tests assert exactly, 
 lies within 5% of the published figure.
 """
 
+import json
+
 import pytest
 
 from conveyor.operator import plan as plan_cli
 from conveyor.operator.catalog import GiB, lookup_gpu
-from conveyor.operator.plan import KVCacheTooSmallError, MaxModelLenTooLongError, plan_for_spec
+from conveyor.operator.plan import (
+    KVCacheTooSmallError,
+    MaxModelLenTooLongError,
+    parse_quantity,
+    plan_for_spec,
+)
 from conveyor.operator.spec import parse_spec
 from conveyor.server.capacity import InsufficientGPUMemoryError, kv_bytes_per_token, plan_capacity
 
@@ -173,3 +180,24 @@ def test_plan_command_fails_with_the_shortfall(capsys: pytest.CaptureFixture[str
     assert plan_cli.main(argv) == 1
     assert "short by" in capsys.readouterr().err
     assert plan_cli.main([*argv, "--gpus", "4", "--tensor-parallel-size", "4"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("quantity", "expected"), [("80Gi", 80 * GiB), ("24G", 24 * 10**9), ("1.5Ti", 1536 * GiB), ("1024", 1024)]
+)
+def test_parse_quantity(quantity: str, expected: int) -> None:
+    assert parse_quantity(quantity) == expected
+
+
+def test_parse_quantity_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="not a memory quantity"):
+        parse_quantity("lots")
+
+
+def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "smollm2-135m", "--gpu", "l4", "--max-model-len", "4096", "--json"]
+    assert plan_cli.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["capacity"]["kv_bytes_per_token"] == 23040
+    assert data["max_num_seqs"] == 216
+    assert data["gpu_product_label"] == "NVIDIA-L4"
