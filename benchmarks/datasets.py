@@ -120,12 +120,16 @@ def sharegpt_like_dataset(
     spread: float = 10.0,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     seed: int = 0,
+    output_spread: float | None = None,
 ) -> list[SampleRequest]:
-    """Long-tailed prompt and output lengths, each spanning exactly ``spread`` x (drawn independently)."""
+    """Long-tailed prompt and output lengths drawn independently; prompts span exactly ``spread`` x,
+    outputs ``output_spread`` x (default: ``spread``)."""
     _check_positive(num_prompts=num_prompts, min_input_len=min_input_len, min_output_len=min_output_len)
     rng = np.random.default_rng(seed)
     prompt_lens = long_tailed_lengths(rng, num_prompts, min_input_len, spread)
-    output_lens = long_tailed_lengths(rng, num_prompts, min_output_len, spread)
+    output_lens = long_tailed_lengths(
+        rng, num_prompts, min_output_len, spread if output_spread is None else output_spread
+    )
     return [
         SampleRequest(_token_ids(rng, p, vocab_size), p, o)
         for p, o in zip(prompt_lens, output_lens, strict=True)

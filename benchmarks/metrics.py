@@ -24,8 +24,8 @@ INPUT_LENGTH_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
     ("2048+", 2048, None),
 )
 
-#: Percentiles reported for every latency.
-DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
+#: Percentiles reported for every latency, besides the mean and the median.
+DEFAULT_PERCENTILES: tuple[float, ...] = (90.0, 99.0)
 
 #: Goodput SLO keys accepted by ``--goodput`` (values in milliseconds).
 SLO_KEYS: tuple[str, ...] = ("ttft", "tpot", "e2el")

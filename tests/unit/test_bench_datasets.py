@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+
 from conveyor.benchmarks.arrivals import arrival_offsets
 from conveyor.benchmarks.datasets import (
     TOKEN_ID_LOW,
@@ -139,3 +140,11 @@ def test_bursty_arrivals_keep_the_mean_but_widen_the_gaps():
 def test_arrivals_reject_bad_parameters(rate, burstiness):
     with pytest.raises(ValueError):
         arrival_offsets(3, rate, burstiness)
+
+
+def test_sharegpt_like_output_spread_can_differ_from_the_prompt_spread():
+    samples = sharegpt_like_dataset(
+        16, min_input_len=256, min_output_len=48, spread=10, output_spread=2, seed=1
+    )
+    assert (min(s.prompt_len for s in samples), max(s.prompt_len for s in samples)) == (256, 2560)
+    assert (min(s.output_len for s in samples), max(s.output_len for s in samples)) == (48, 96)

@@ -1,0 +1,95 @@
+"""PNG plots of benchmark results with matplotlib (Agg backend, no display needed).
+
+Each function takes run entries (see ``report``) whose ``records`` hold per-request dicts where needed,
+and writes one PNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+Run = Mapping[str, Any]
+BUCKETS = ("0-512", "512-2048", "2048+")
+
+
+def throughput_bars(runs: Sequence[Run], path: str | Path, title: str) -> None:
+    """Output tokens per second, one bar per run, labelled with the value."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['system']}\n{r['scenario']}" for r in runs]
+    values = [r["metrics"]["output_throughput"] for r in runs]
+    bars = ax.bar(range(len(runs)), values, color="tab:blue")
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_xticks(range(len(runs)), labels, fontsize=8)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ttft_cdf(runs: Sequence[Run], path: str | Path, title: str) -> None:
+    """Empirical CDF of TTFT (seconds, log x) per run, from successful per-request records."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        ttfts = sorted(r["ttft_s"] for r in run["records"] if r["success"])
+        if not ttfts:
+            continue
+        fractions = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+        ax.step(ttfts, fractions, where="post", label=f"{run['system']} ({run['scenario']})")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def p99_by_bucket(runs: Sequence[Run], path: str | Path, title: str, metric: str = "ttft") -> None:
+    """Grouped bars: p99 of ``metric`` (``ttft``, ``itl``, ``tpot``, ``e2el``; ms) per input-length bucket."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(runs), 1)
+    for index, run in enumerate(runs):
+        values = [run["metrics"]["p99_by_bucket_ms"][b][metric] or 0.0 for b in BUCKETS]
+        positions = [b + index * width for b in range(len(BUCKETS))]
+        ax.bar(positions, values, width, label=f"{run['system']} ({run['scenario']})")
+    ax.set_xticks([b + 0.4 - width / 2 for b in range(len(BUCKETS))], [f"prompt {b} tokens" for b in BUCKETS])
+    ax.set_ylabel(f"p99 {metric.upper()} (ms)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def chunked_prefill_tradeoff(runs: Sequence[Run], path: str | Path, title: str) -> None:
+    """p99 TTFT and p99 ITL (ms) against ``max_num_batched_tokens`` (runs carry it as ``chunk_tokens``)."""
+    ordered = sorted(runs, key=lambda r: r["chunk_tokens"])
+    chunks = [r["chunk_tokens"] for r in ordered]
+    fig, ax_ttft = plt.subplots(figsize=(6, 4))
+    ax_itl = ax_ttft.twinx()
+    ax_ttft.plot(
+        chunks, [r["metrics"]["ttft_ms"]["p99"] for r in ordered], "o-", color="tab:blue", label="TTFT p99"
+    )
+    ax_itl.plot(
+        chunks, [r["metrics"]["itl_ms"]["p99"] for r in ordered], "s--", color="tab:red", label="ITL p99"
+    )
+    ax_ttft.set_xscale("log", base=2)
+    ax_ttft.set_xticks(chunks, [str(c) for c in chunks])
+    ax_ttft.set_xlabel("--max-num-batched-tokens")
+    ax_ttft.set_ylabel("p99 TTFT (ms)", color="tab:blue")
+    ax_itl.set_ylabel("p99 inter-token latency (ms)", color="tab:red")
+    ax_ttft.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
