@@ -1,0 +1,277 @@
+"""The OpenAI-compatible API over real HTTP (uvicorn) with the real `openai` client and model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def scrape(server, name: str, **labels: str) -> float:
+    """The value of one series on /metrics (0 when absent)."""
+    text = httpx.get(server.base_url + "/metrics").text
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_models_health_and_chat_answer(server, client):
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        temperature=0,
+        max_tokens=30,
+    )
+    assert reply.choices[0].message.content == "The capital of France is Paris."
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 8
+
+
+def test_sixteen_concurrent_chats_share_steps(server):
+    llm = server.llm_engine
+    before = llm.stats.max_num_seqs_in_step
+    llm.stats.max_num_seqs_in_step = 0
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        topics = ["cats", "rivers", "stars", "bread", "trains", "music", "snow", "maps"] * 2
+        return await asyncio.gather(
+            *[
+                aclient.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"Tell me one fact about {t}."}],
+                    max_tokens=20,
+                    temperature=0.7,
+                    seed=i,
+                )
+                for i, t in enumerate(topics)
+            ]
+        )
+
+    replies = asyncio.run(main())
+    assert len(replies) == 16
+    assert all(
+        r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content for r in replies
+    )
+    assert llm.stats.max_num_seqs_in_step > 1
+    llm.stats.max_num_seqs_in_step = max(before, llm.stats.max_num_seqs_in_step)
+
+
+def test_stream_equals_non_stream_for_the_same_seed(client):
+    kwargs = dict(
+        model=MODEL, prompt="The best thing about mornings is", max_tokens=24, temperature=0.8, seed=7
+    )
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stop_string_is_never_partly_streamed(client):
+    prompt = "Once upon a time"
+    greedy = (
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0).choices[0].text
+    )
+    assert greedy.startswith(", the city of Nova Haven")  # the model's greedy continuation
+    stop = "Nova Haven"
+    streamed = []
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop], stream=True
+    ):
+        streamed.append(chunk)
+    pieces = [c.choices[0].text for c in streamed]
+    text = "".join(pieces)
+    assert text == greedy[: greedy.index(stop)] == ", the city of "
+    # No prefix of the stop string ("N", "No", ...) was ever sent, not even transiently.
+    assert not any(text.endswith(stop[:n]) for n in range(1, len(stop)))
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    length = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert length.choices[0].finish_reason == "length"
+    assert length.usage.completion_tokens == 3
+
+
+def test_chat_stream_deltas_and_usage(client):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_n2_with_seed_differs_and_reproduces(client):
+    kwargs = dict(model=MODEL, prompt="My favourite animal is", max_tokens=16, temperature=1.0, n=2, seed=42)
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1]
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+
+
+def test_logprobs(client):
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob)  # greedy picks the most likely token
+        assert token in top
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert len(chat.choices[0].logprobs.content) == 2
+    assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
+
+
+def test_client_disconnect_frees_everything(server):
+    body = {
+        "model": MODEL,
+        "prompt": "Count: 1, 2, 3,",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", server.base_url + "/v1/completions", json=body) as resp,
+    ):
+        chunks = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+            if chunks == 2:
+                assert scrape(server, "conveyor:num_requests_running") == 1
+                break  # leaving iter_lines closes the connection: the client is gone
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        running = scrape(server, "conveyor:num_requests_running")
+        usage = scrape(server, "conveyor:kv_cache_usage_perc")
+        if running == 0 and usage == 0:
+            break
+        time.sleep(0.05)
+    assert (running, usage) == (0, 0)
+    assert server.llm_engine.kv_cache.num_free_blocks == server.llm_engine.kv_cache.num_blocks
+
+
+BAD_REQUESTS = [
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [1] * 1100}, 400, "prompt"),
+    ({"prompt": "hello", "max_tokens": 1024}, 400, "max_tokens"),
+    ({"prompt": "hello", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hello", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "hello", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hello", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hello", "n": 0}, 400, "n"),
+    ({"prompt": "hello", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": [5, 49152]}, 400, "prompt"),
+    ({"prompt": [5, -1]}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_REQUESTS)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, body, status, param):
+    resp = httpx.post(server.base_url + "/v1/completions", json=body)
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert error["param"] == param
+    assert (
+        param in error["message"]
+        or error["type"] == "not_found_error"
+        or "context length" in error["message"]
+    )
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    ok = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_prompt_plus_max_tokens_message_gives_both_lengths(server):
+    resp = httpx.post(server.base_url + "/v1/completions", json={"prompt": [7] * 1000, "max_tokens": 100})
+    assert resp.status_code == 400
+    assert "1000 in the prompt" in resp.json()["error"]["message"]
+    assert "100 in max_tokens" in resp.json()["error"]["message"]
+
+
+def test_malformed_json_and_chat_errors(server):
+    resp = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": []})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="x").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1
+        )
+
+
+def test_tokenize_and_detokenize(server):
+    tokens = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 1024
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    chat = httpx.post(
+        server.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}
+    ).json()
+    assert chat["count"] > tokens["count"]
+    bad = httpx.post(server.base_url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_ttft_histogram_agrees_with_the_client(server):
+    labels = {"model_name": MODEL, "input_length_bucket": "0-512"}
+    count0 = scrape(server, "conveyor:time_to_first_token_seconds_count", **labels)
+    sum0 = scrape(server, "conveyor:time_to_first_token_seconds_sum", **labels)
+    body = {"model": MODEL, "prompt": "The weather today is", "max_tokens": 5, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as resp:
+        ttft = None
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"] and ttft is None:
+                ttft = time.monotonic() - start
+    assert scrape(server, "conveyor:time_to_first_token_seconds_count", **labels) == count0 + 1
+    observed = scrape(server, "conveyor:time_to_first_token_seconds_sum", **labels) - sum0
+    assert abs(observed - ttft) < 0.5
+    assert scrape(server, "conveyor:request_success_total", model_name=MODEL, finished_reason="length") >= 1
+    assert scrape(server, "conveyor:num_requests_waiting") == 0
