@@ -54,6 +54,7 @@ def _decode_split_kernel(
     seq_lens_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    out_ptr,
     scale_log2,
     split_size,
     stride_qt,
@@ -70,6 +71,8 @@ def _decode_split_kernel(
     stride_po_k,
     stride_pl_s,
     stride_pl_h,
+    stride_ot,
+    stride_oh,
     GROUPS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -78,9 +81,11 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
 ):
     """One (sequence, KV head, split): partial attention of the sequence's single query row, for the
-    GROUPS query heads sharing the KV head, over context positions [split * split_size, ...)."""
+    GROUPS query heads sharing the KV head, over context positions [split * split_size, ...).
+    With SINGLE_SPLIT the partial result is the final one: written to out, no reduce needed."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,6 +144,13 @@ def _decode_split_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
+    if SINGLE_SPLIT:
+        tl.store(
+            out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_g[:, None] & mask_d[None, :],
+        )
+        return
     po = partial_out_ptr + seq.to(tl.int64) * stride_po_s + split * stride_po_k
     tl.store(po + heads[:, None] * stride_po_h + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
     lse = m_i + tl.log2(l_i)
@@ -372,6 +384,7 @@ def paged_attention_decode(
     # Round split boundaries to whole tiles so only a sequence's last tile is partial.
     split_size = -(-max(1, max_seq_len) // num_splits)
     split_size = -(-split_size // _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+    # With one split the kernel writes `out` directly and these stay unused.
     partial_out = torch.empty(
         num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
     )
@@ -386,6 +399,7 @@ def paged_attention_decode(
         seq_lens,
         partial_out,
         partial_lse,
+        out,
         scale * _LOG2E,
         split_size,
         query.stride(0),
@@ -402,6 +416,8 @@ def paged_attention_decode(
         partial_out.stride(2),
         partial_lse.stride(0),
         partial_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         GROUPS=groups,
         # tl.dot needs at least 16 rows; the padding rows are masked and cost no memory traffic.
         BLOCK_G=max(16, triton.next_power_of_2(groups)),
@@ -411,9 +427,12 @@ def paged_attention_decode(
         BLOCK_N=_DECODE_BLOCK_N,
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST_DOT=_upcast_dot(query),
+        SINGLE_SPLIT=num_splits == 1,
         num_warps=4,
         num_stages=_NUM_STAGES,
     )
+    if num_splits == 1:
+        return
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out,
         query_start_loc,
@@ -430,8 +449,7 @@ def paged_attention_decode(
         partial_lse.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        # A one-element block is legal but an unusual layout; two with one masked is the common case.
-        NUM_SPLITS=max(2, num_splits),
+        NUM_SPLITS=num_splits,
     )
 
 
