@@ -477,3 +477,35 @@ def test_examples_are_valid_for_the_api_server(env: Env) -> None:
         manifest = yaml.safe_load(path.read_text())
         manifest["metadata"]["name"] = "dry-" + manifest["metadata"]["name"]
         env.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(manifest))
+
+
+def test_restarted_operator_resumes_and_corrects_drift(
+    k8s: LocalCluster, env: Env, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Changes made while no operator runs are reconciled when one starts (kopf's resume handler)."""
+    namespace = k8s.create_namespace("resume")
+    log_dir = tmp_path_factory.mktemp("resume")
+    first = Operator(k8s, namespace, log_dir / "first.log")
+    resumed = Env(k8s, namespace, first)
+    try:
+        resumed.apply(isvc("resume"))
+        resumed.wait_ready("resume")
+        first.stop()
+        patch = {
+            "spec": {
+                "template": {"spec": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}}
+            }
+        }
+        resumed.kubectl("patch", "deployment", "resume", "--type=merge", "-p", json.dumps(patch))
+        resumed.operator = Operator(k8s, namespace, log_dir / "second.log")
+
+        def corrected() -> bool:
+            dep = resumed.get("deployment", "resume") or {}
+            selector = dep.get("spec", {}).get("template", {}).get("spec", {}).get("nodeSelector", {})
+            return selector.get("nvidia.com/gpu.product") == "NVIDIA-A100-SXM4-80GB"
+
+        resumed.eventually(corrected, "the restarted operator to restore the node selector")
+        resumed.wait_ready("resume")
+    finally:
+        resumed.operator.stop()
+        k8s.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
