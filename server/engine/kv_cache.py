@@ -51,7 +51,7 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (0-1); cached blocks nobody holds count as free."""
-        return 1.0 - len(self.free_blocks) / self.num_blocks
+        return (self.num_blocks - len(self.free_blocks)) / self.num_blocks
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend `request.block_hashes` to cover every full block within its first `num_tokens` tokens."""

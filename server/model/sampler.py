@@ -86,7 +86,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     requests[i]. Log-probabilities, when asked for, are of the model's distribution after penalties
     and before temperature and truncation (vLLM's default "raw" log-probabilities).
     """
-    logits = logits.float()
+    logits = logits.to(torch.float32, copy=True)  # penalties and masks work in place
     _apply_penalties(logits, requests)
     _mask_min_tokens(logits, requests)
     num_rows = logits.shape[0]

@@ -1,0 +1,88 @@
+"""The sampler on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from conveyor.server.engine.request import Request, SamplingParams
+from conveyor.server.model.sampler import sample
+
+
+def req(rid="r", output=(), prompt=(1, 2), eos=None, **params) -> Request:
+    r = Request(rid, list(prompt), SamplingParams(**params), eos_token_id=eos)
+    for t in output:
+        r.append_output_token(t)
+    return r
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 1.0]])
+    assert sample(logits, [req(temperature=0), req(temperature=0)]).token_ids == [1, 0]
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = torch.randn(4, 50)
+    expected = logits.argmax(-1).tolist()
+    assert (
+        sample(logits, [req(str(i), temperature=1.0, top_k=1, seed=i) for i in range(4)]).token_ids
+        == expected
+    )
+    assert (
+        sample(logits, [req(str(i), temperature=1.0, top_p=1e-6, seed=i) for i in range(4)]).token_ids
+        == expected
+    )
+
+
+def test_min_p_removes_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.6, 0.35, 0.05]]))
+    seen = {sample(logits, [req(temperature=1.0, min_p=0.5, seed=s)]).token_ids[0] for s in range(200)}
+    assert seen == {0, 1}
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = torch.randn(1, 100)
+    alone = [sample(logits, [r]).token_ids[0] for r in [req(temperature=1.0, seed=9)] for _ in range(1)]
+    batch = torch.cat([torch.randn(3, 100), logits])
+    rows = [
+        req("a", temperature=1.0),
+        req("b", temperature=0.5, seed=1),
+        req("c", temperature=0),
+        req(temperature=1.0, seed=9),
+    ]
+    assert sample(batch, rows).token_ids[3] == alone[0]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    r = req(temperature=1.0, seed=0)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample(probs.log()[None], [r]).token_ids[0]] += 1
+    assert torch.allclose(counts / 3000, probs, atol=0.03)
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 2.0, -1.0, 1.9]])
+    # Token 0 was generated twice: frequency 0.1*2 + presence 0.5 = 0.7 off its logit -> token 1 wins.
+    r = req(output=[0, 0], temperature=0, frequency_penalty=0.1, presence_penalty=0.5)
+    assert sample(logits.clone(), [r]).token_ids == [1]
+    # Repetition penalty 2 on tokens 0 and 1 (prompt + output) halves them: 1.9 wins.
+    r = req(prompt=[1], output=[0], temperature=0, repetition_penalty=2.0)
+    assert sample(logits.clone(), [r]).token_ids == [3]
+
+
+def test_min_tokens_masks_eos():
+    logits = torch.tensor([[0.0, 9.0, 1.0]])
+    assert sample(logits, [req(eos=1, temperature=0, min_tokens=2)]).token_ids == [2]
+    assert sample(logits, [req(eos=1, output=[2, 2], temperature=0, min_tokens=2)]).token_ids == [1]
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    out = sample(logits, [req(temperature=0.5, top_k=1, logprobs=2, seed=0)])
+    lp = out.logprobs[0]
+    expected = torch.log_softmax(logits, -1)[0]
+    assert lp.token_id == 2 and math.isclose(lp.logprob, expected[2].item(), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == [2, 1]
