@@ -20,14 +20,16 @@ BUCKETS = ("0-512", "512-2048", "2048+")
 
 
 def throughput_bars(runs: Sequence[Run], path: str | Path, title: str) -> None:
-    """Output tokens per second, one bar per run, labelled with the value."""
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['system']}\n{r['scenario']}" for r in runs]
+    """Output tokens per second, one horizontal bar per run, labelled with the value."""
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(runs) + 1.2))
+    labels = [f"{r['system']} ({r['scenario']})" for r in runs]
     values = [r["metrics"]["output_throughput"] for r in runs]
-    bars = ax.bar(range(len(runs)), values, color="tab:blue")
-    ax.bar_label(bars, fmt="%.1f")
-    ax.set_xticks(range(len(runs)), labels, fontsize=8)
-    ax.set_ylabel("output tokens / s")
+    bars = ax.barh(range(len(runs)), values, color="tab:blue")
+    ax.bar_label(bars, fmt="%.1f", padding=3)
+    ax.set_yticks(range(len(runs)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("output tokens / s")
+    ax.set_xlim(0, max(values, default=1.0) * 1.15)
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

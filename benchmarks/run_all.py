@@ -7,7 +7,7 @@ and transformers' continuous batching (when installed). Scenarios:
 - offline: all requests at once on a long-tailed workload (10x length spread);
 - online: Poisson arrivals at 50 % and 90 % of conveyor static's measured offline capacity (req/s);
 - chunked-prefill sweep: conveyor continuous with ``--max-num-batched-tokens`` 512 / 1024 / 4096 on a
-  mixed long-prompt workload at a steady Poisson rate.
+  mixed long-prompt workload (256-2,560 tokens) at a steady Poisson rate (``--sweep-rate``).
 
 MFU is ``2 * params * total tokens/s`` over the matmul rate of a large ``torch.mm`` measured in the run.
 Writes ``<out>/summary.json``, one JSON per run (with every request), the workloads (JSONL), PNG plots
@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -75,10 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sweep-rate",
         type=float,
-        default=None,
-        help="sweep requests/s; default: half the measured token capacity",
+        default=0.25,
+        help="sweep Poisson requests/s: steady decodes while long prompts keep arriving",
     )
-    parser.add_argument("--online-fractions", type=float, nargs="+", default=[0.5, 0.9])
+    parser.add_argument("--online-fractions", type=float, nargs="*", default=[0.5, 0.9])
     parser.add_argument("--goodput", nargs="+", default=["ttft:5000", "tpot:500"], metavar="KEY:MS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -157,6 +158,9 @@ class Bench:
         self.num_params = num_params
         self.slos = parse_goodput_slos(args.goodput)
         self.runs: list[dict[str, Any]] = []
+        #: Offline requests/s of the first conveyor system run (static when the server has it).
+        self.capacity_req_s: float | None = None
+        self.capacity_system: str | None = None
 
     def record(
         self,
@@ -187,7 +191,7 @@ class Bench:
             "load_average": os.getloadavg(),
             **extra,
         }
-        slug = f"{system}-{scenario}".replace(" ", "_").replace("%", "pct").replace("/", "_")
+        slug = re.sub(r"[^a-z0-9]+", "_", f"{system} {scenario}".replace("%", "pct").lower()).strip("_")
         (self.out / f"{slug}.json").write_text(json.dumps({**run, "records": [asdict(r) for r in records]}))
         self.runs.append({**run, "records": [asdict(r) for r in records]})
         m = metrics
@@ -266,19 +270,15 @@ def run_conveyor(bench: Bench, main_samples: list[SampleRequest], sweep_samples:
                 offline = bench.http_run(server, system, "offline", main_samples)
                 if capacity is None:
                     capacity = offline["metrics"]["request_throughput"]
+                    bench.capacity_req_s, bench.capacity_system = capacity, system
                 for fraction in args.online_fractions:
                     rate = fraction * capacity
                     bench.http_run(server, system, f"online {fraction:.0%}", main_samples, request_rate=rate)
         except ServerStartError as err:
             print(f"[bench] {system}: {err}", flush=True)
-    if args.skip_sweep or capacity is None:
+    if args.skip_sweep:
         return
-    continuous = find_offline(bench.runs, "conveyor continuous")
     rate = args.sweep_rate
-    if rate is None:
-        tokens_per_request = sum(s.prompt_len + s.output_len for s in sweep_samples) / len(sweep_samples)
-        token_capacity = (continuous or bench.runs[0])["metrics"]["total_token_throughput"]
-        rate = 0.5 * token_capacity / tokens_per_request
     for chunk in CHUNK_SWEEP:
         flags = ["--max-num-batched-tokens", str(chunk)]
         if has_static:
@@ -303,10 +303,6 @@ def run_conveyor(bench: Bench, main_samples: list[SampleRequest], sweep_samples:
                 )
         except ServerStartError as err:
             print(f"[bench] sweep {chunk}: {err}", flush=True)
-
-
-def find_offline(runs: Sequence[dict[str, Any]], system: str) -> dict[str, Any] | None:
-    return next((r for r in runs if r["system"] == system and r["scenario"] == "offline"), None)
 
 
 def run_transformers(bench: Bench, model: Any, main_samples: list[SampleRequest]) -> None:
@@ -352,6 +348,7 @@ def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], comman
         "command": command,
         "settings": vars(bench.args),
         "targets": checks,
+        "online_capacity": {"system": bench.capacity_system, "requests_per_s": bench.capacity_req_s},
         "runs": summary_runs,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -391,6 +388,12 @@ def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], comman
         f"Static batching would use {main_runs[0]['static_padding_efficiency']:.1%} of its token slots on it."
         if main_runs
         else "",
+        "",
+        f"Online: Poisson arrivals at {', '.join(f'{f:.0%}' for f in bench.args.online_fractions)} of "
+        f"{bench.capacity_system}'s offline capacity ({bench.capacity_req_s or 0:.3f} req/s). Chunked-prefill "
+        f"sweep: {bench.args.sweep_num_prompts} requests, prompts {bench.args.sweep_min_input_len:,}-"
+        f"{round(bench.args.sweep_min_input_len * bench.args.spread):,} tokens, Poisson {bench.args.sweep_rate:g} req/s. "
+        f"Goodput SLOs (ms): {', '.join(bench.args.goodput)}.",
         "",
         "## Targets",
         "",
