@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test lint fmt install k8s-tools cluster
+.PHONY: serve test bench lint fmt install k8s-tools cluster
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ serve: $(STAMP)
 
 test: $(STAMP) k8s-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Serving benchmark, every system in one run (benchmarks/run_all.py); writes benchmarks/results/<date>/.
+bench: $(STAMP)
+	$(PY) -m conveyor.benchmarks.run_all $(BENCH_ARGS)
 
 # Kubernetes test-bed binaries, built once per machine into ~/.cache (hack/k8s-tools/build.sh).
 k8s-tools:
