@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test bench lint fmt install k8s-tools cluster
+.PHONY: serve test bench lint fmt install k8s-tools cluster prometheus
 
 install: $(STAMP)
 
@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/conveyor serve $(ARGS)
 
-test: $(STAMP) k8s-tools
+test: $(STAMP) k8s-tools prometheus
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The e2e tests scrape the server with a real Prometheus (Debian's package; needs root or sudo).
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # Serving benchmark, every system in one run (benchmarks/run_all.py); writes benchmarks/results/<date>/.
 bench: $(STAMP)
