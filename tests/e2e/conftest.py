@@ -56,9 +56,20 @@ def serve_process(tmp_path_factory) -> Iterator[ServeProcess]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     port = free_port()
     exe = Path(sys.executable).with_name("conveyor")
-    args = [str(exe), "serve", "--port", str(port), "--max-model-len", "1024", "--kv-cache-memory", str(256 << 20)]
+    args = [
+        str(exe),
+        "serve",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        str(256 << 20),
+    ]
     with log.open("w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1"})
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1"}
+        )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, 300, log)
         yield ServeProcess(f"http://127.0.0.1:{port}", port, proc, log)
@@ -81,7 +92,9 @@ def prometheus(serve_process, tmp_path_factory) -> Iterator[Prometheus]:
     """Debian's Prometheus scraping the server every second (`.ci/run` installs it)."""
     binary = shutil.which("prometheus")
     if binary is None:
-        raise RuntimeError("prometheus is not installed: apt-get install -y --no-install-recommends prometheus")
+        raise RuntimeError(
+            "prometheus is not installed: apt-get install -y --no-install-recommends prometheus"
+        )
     workdir = tmp_path_factory.mktemp("prometheus")
     config = workdir / "prometheus.yml"
     config.write_text(

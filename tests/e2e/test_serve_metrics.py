@@ -53,7 +53,11 @@ def test_served_chat_answer_and_metrics_in_prometheus(serve_process, prometheus)
     tokens = wait_for(prometheus, "conveyor:generation_tokens_total", lambda r: float(r[0]["value"][1]) > 0)
     assert float(tokens[0]["value"][1]) == reply.usage.completion_tokens + 12
     # Idle gauges: nothing waiting, nothing running, KV cache empty.
-    for gauge in ("conveyor:num_requests_waiting", "conveyor:num_requests_running", "conveyor:kv_cache_usage_perc"):
+    for gauge in (
+        "conveyor:num_requests_waiting",
+        "conveyor:num_requests_running",
+        "conveyor:kv_cache_usage_perc",
+    ):
         assert float(wait_for(prometheus, gauge, lambda r: float(r[0]["value"][1]) == 0)[0]["value"][1]) == 0
 
 
@@ -63,7 +67,9 @@ def test_serve_rejects_a_bad_flag_with_a_clear_message(tmp_path):
     from pathlib import Path
 
     exe = Path(sys.executable).with_name("conveyor")
-    out = subprocess.run([str(exe), "serve", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(exe), "serve", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2
     assert "max_num_seqs" in out.stderr and "greater than or equal to 1" in out.stderr
     assert "Traceback" not in out.stderr
