@@ -1,18 +1,18 @@
-"""Every Triton kernel against its torch reference: on CPU under Triton's interpreter, and on CUDA
-(`gpu` marker) when a device is present.
+"""Every Triton kernel against its torch reference: on CPU under Triton's interpreter, and compiled on
+CUDA (`gpu` marker) when a device is present.
 
-Triton decides at decoration time (`@triton.jit`, i.e. when a kernel module is imported) whether a
-kernel is interpreted, reading TRITON_INTERPRET from the environment. The `triton_cpu` fixture imports
-a private copy of `conveyor.kernels.triton` with the variable set and restores both the environment
-and `sys.modules` afterwards, so other tests in the same process keep whatever they imported.
+Triton reads TRITON_INTERPRET once per function when `@triton.jit` decorates it, and its own library
+(`tl.sum`, `tl.max`, ...) is decorated when `triton` is first imported, which transformers' model code
+does as a side effect. So without a GPU this module sets the variable when it is collected, before any
+test runs; it cannot be scoped to these tests. Nothing else uses Triton on CPU, and on a CUDA machine
+the variable is left alone so the `gpu` tests run compiled kernels.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import os
 import sys
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -21,7 +21,8 @@ import torch
 from conveyor.kernels import KERNEL_NAMES
 from conveyor.kernels import reference as ref
 
-PACKAGE = "conveyor.kernels.triton"
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # (num_heads, num_kv_heads, head_dim, block_size): the head ratios 9:3 (SmolLM2), 32:8 (Llama-3-8B)
 # and 1:1, head_dim 64 and 128, block sizes 16 and 32.
@@ -34,47 +35,36 @@ DECODE_BATCH = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)]
 MIXED_BATCH = [(1, 1), (15, 15), (16, 1), (17, 5), (300, 40), (33, 33), (200, 1), (16, 16)]
 
 
-@contextlib.contextmanager
-def _fresh_kernels(interpret: bool) -> Iterator[ModuleType]:
-    saved = {
-        name: mod for name, mod in sys.modules.items() if name == PACKAGE or name.startswith(PACKAGE + ".")
-    }
-    parent = importlib.import_module("conveyor.kernels")
-    saved_attr = parent.__dict__.get("triton")
-    mp = pytest.MonkeyPatch()
-    if interpret:
-        mp.setenv("TRITON_INTERPRET", "1")
-    else:
-        mp.delenv("TRITON_INTERPRET", raising=False)
-    for name in saved:
-        del sys.modules[name]
-    try:
-        yield importlib.import_module(PACKAGE)
-    finally:
-        for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-        if saved_attr is None:
-            parent.__dict__.pop("triton", None)
-        else:
-            parent.triton = saved_attr
-        mp.undo()
+def _interpreting() -> bool:
+    """Whether Triton's interpreter is in effect for its own library functions, not just for ours."""
+    import triton.language.standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton.language.standard.sum, InterpretedFunction)
 
 
 @pytest.fixture(scope="module")
-def triton_cpu() -> Iterator[ModuleType]:
-    """`conveyor.kernels.triton` with every kernel running in Triton's interpreter."""
-    with _fresh_kernels(interpret=True) as module:
-        yield module
+def triton_cpu() -> ModuleType:
+    """`conveyor.kernels.triton` running in Triton's interpreter on CPU tensors."""
+    if not _interpreting():
+        reason = (
+            "Triton's interpreter is off: `triton` was imported before TRITON_INTERPRET=1 was set "
+            f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})"
+        )
+        if torch.cuda.is_available():
+            pytest.skip(reason + "; with a CUDA device the gpu tests check the compiled kernels")
+        pytest.fail(reason + "; without a CUDA device nothing else checks the Triton kernels")
+    return importlib.import_module("conveyor.kernels.triton")
 
 
 @pytest.fixture(scope="module")
-def triton_cuda() -> Iterator[ModuleType]:
+def triton_cuda() -> ModuleType:
     """`conveyor.kernels.triton` compiled for the CUDA device; skips when there is none."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: torch.cuda.is_available() is False")
-    with _fresh_kernels(interpret=False) as module:
-        yield module
+    if _interpreting():
+        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted, not compiled")
+    return importlib.import_module("conveyor.kernels.triton")
 
 
 @pytest.fixture
