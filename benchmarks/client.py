@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
 from conveyor.benchmarks.datasets import SampleRequest
 from conveyor.benchmarks.metrics import RequestRecord
 

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tqdm import tqdm
+
 from conveyor.benchmarks.arrivals import arrival_offsets
 from conveyor.benchmarks.client import (
     CHAT_COMPLETIONS,
@@ -44,7 +46,6 @@ from conveyor.benchmarks.metrics import (
     parse_goodput_slos,
     static_batching_padding,
 )
-from tqdm import tqdm
 
 
 def build_parser() -> argparse.ArgumentParser:

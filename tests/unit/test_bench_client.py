@@ -6,6 +6,7 @@ import time
 
 import httpx
 import pytest
+
 from conveyor.benchmarks.client import CHAT_COMPLETIONS, RequestSettings, build_payload, send_request
 from conveyor.benchmarks.datasets import SampleRequest
 
