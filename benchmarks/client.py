@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -30,12 +30,14 @@ class RequestSettings:
         exact_output: send ``ignore_eos`` and ``min_tokens = max_tokens = output_len`` so every system
             generates exactly the requested number of tokens.
         temperature: sampling temperature (0 = greedy).
+        extra_body: more JSON fields merged into every request (server-specific options).
     """
 
     model: str
     endpoint: str = COMPLETIONS
     exact_output: bool = True
     temperature: float = 0.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
 
 def build_payload(sample: SampleRequest, settings: RequestSettings) -> dict[str, Any]:
@@ -56,6 +58,7 @@ def build_payload(sample: SampleRequest, settings: RequestSettings) -> dict[str,
         payload["messages"] = [{"role": "user", "content": sample.prompt}]
     else:
         payload["prompt"] = sample.prompt
+    payload.update(settings.extra_body)
     return payload
 
 

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--model", default=None, help="model field; default: first id of GET /v1/models")
     target.add_argument("--no-exact-output", action="store_true", help="do not send ignore_eos/min_tokens")
     target.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    target.add_argument(
+        "--extra-body", type=json.loads, default={}, help="JSON object merged into each request"
+    )
 
     data = parser.add_argument_group("workload")
     data.add_argument("--dataset-name", default="random", choices=DATASET_NAMES)
@@ -278,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     if not samples:
         raise SystemExit("the workload is empty")
     model = args.model or asyncio.run(_model_id(base_url))
-    settings = RequestSettings(model=model, endpoint=args.endpoint, exact_output=not args.no_exact_output)
+    settings = RequestSettings(
+        model=model, endpoint=args.endpoint, exact_output=not args.no_exact_output, extra_body=args.extra_body
+    )
     slos = parse_goodput_slos(args.goodput) if args.goodput else None
 
     if args.warmup_requests:

@@ -1,4 +1,4 @@
-"""Start and stop a ``conveyor serve`` process on a free loopback port (the benchmark's server shell)."""
+"""Start and stop a server process (``conveyor serve`` or a peer) on a loopback port, by PID."""
 
 from __future__ import annotations
 
@@ -31,40 +31,37 @@ def conveyor_executable() -> str:
     return str(candidate) if candidate.exists() else "conveyor"
 
 
-class ConveyorServer:
-    """``with ConveyorServer([...flags]) as server:`` runs ``conveyor serve`` until the block ends.
+class ServerProcess:
+    """``with ServerProcess([...command], port, log_path) as server:`` runs an HTTP server until the block ends.
 
     Args:
-        args: extra ``conveyor serve`` flags, e.g. ``["--scheduling", "static", "--max-num-seqs", "16"]``.
+        command: the full command line; it must listen on 127.0.0.1:``port``.
+        port: the port the command listens on.
         log_path: where the server's stdout and stderr go.
         threads: torch/OpenMP threads for the server (``OMP_NUM_THREADS``); None leaves the default.
-        startup_timeout_s: seconds to wait for ``GET /health`` to answer 200.
+        startup_timeout_s: seconds to wait for ``health_path`` to answer 200.
+        health_path: the readiness URL path.
     """
 
     def __init__(
         self,
-        args: list[str],
+        command: list[str],
+        port: int,
         log_path: str | Path,
         threads: int | None = None,
         startup_timeout_s: float = 300.0,
+        health_path: str = "/health",
     ) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = [
-            conveyor_executable(),
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *args,
-        ]
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.command = command
         self.log_path = Path(log_path)
         self.threads = threads
         self.startup_timeout_s = startup_timeout_s
+        self.health_path = health_path
         self.process: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> ConveyorServer:
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 
@@ -89,13 +86,15 @@ class ConveyorServer:
             if self.process.poll() is not None:
                 raise ServerStartError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                if httpx.get(self.base_url + self.health_path, timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise ServerStartError(f"no /health after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise ServerStartError(
+            f"no {self.health_path} after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the process by PID, SIGKILL it if it has not exited after ``timeout_s`` seconds."""
@@ -114,3 +113,18 @@ class ConveyorServer:
             return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
         except OSError:
             return ""
+
+
+class ConveyorServer(ServerProcess):
+    """``conveyor serve`` with extra ``args`` (e.g. ``["--scheduling", "static"]``) on a free loopback port."""
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: str | Path,
+        threads: int | None = None,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        port = free_port()
+        command = [conveyor_executable(), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+        super().__init__(command, port, log_path, threads, startup_timeout_s)

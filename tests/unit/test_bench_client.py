@@ -84,3 +84,10 @@ def test_stream_without_tokens_fails():
     record = _run(lambda r: httpx.Response(200, content=_sse("[DONE]")), SampleRequest([1], 1, 2))
     assert not record.success
     assert "without a token" in record.error
+
+
+def test_extra_body_is_merged_into_the_payload():
+    settings = RequestSettings(model="m", extra_body={"logit_bias": {"2": -100}, "temperature": 0.5})
+    payload = build_payload(SampleRequest([1], 1, 3), settings)
+    assert payload["logit_bias"] == {"2": -100}
+    assert payload["temperature"] == 0.5
