@@ -25,6 +25,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -251,7 +252,8 @@ def server_supports(flag: str) -> bool:
 def run_conveyor(bench: Bench, main_samples: list[SampleRequest], sweep_samples: list[SampleRequest]) -> None:
     """Conveyor static (capacity), continuous, online at fractions of static capacity, and the sweep."""
     args = bench.args
-    logs = bench.out / "logs"
+    logs = Path(tempfile.mkdtemp(prefix="conveyor-bench-logs-"))  # server logs stay out of the results
+    print(f"[bench] server logs in {logs}", flush=True)
     common = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
     warm = main_samples[:2]
     capacity: float | None = None
