@@ -5,6 +5,7 @@ set before `triton` is first imported).
 """
 
 from conveyor.kernels.reference import rope_cos_sin_cache
+from conveyor.kernels.triton.device import TritonUnavailableError
 from conveyor.kernels.triton.paged_attention import paged_attention
 from conveyor.kernels.triton.reshape_and_cache import reshape_and_cache
 from conveyor.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
@@ -12,6 +13,7 @@ from conveyor.kernels.triton.rotary_embedding import rotary_embedding
 from conveyor.kernels.triton.silu_and_mul import silu_and_mul
 
 __all__ = [
+    "TritonUnavailableError",
     "fused_add_rms_norm",
     "paged_attention",
     "reshape_and_cache",

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.kernels.triton.device import check_device
+
 _LOG2E = 1.4426950408889634
 
 # Decode tiling: tokens of context per loop iteration, and bounds for the number of context splits.
@@ -525,6 +527,7 @@ def paged_attention(
     Raises ValueError when num_heads is not a multiple of num_kv_heads or head_dim is strided.
     """
     _check_inputs(query, key_cache, value_cache)
+    check_device(_prefill_kernel, query)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.kernels.triton.device import check_device
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -71,6 +73,7 @@ def reshape_and_cache(
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim; got strides {t.stride()}")
+    check_device(_reshape_and_cache_kernel, key)
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return

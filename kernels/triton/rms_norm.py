@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.kernels.triton.device import check_device
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -51,6 +53,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [num_tokens, hidden_size] with contiguous rows; got {tuple(x.shape)}")
+    check_device(_rms_norm_kernel, x)
     num_tokens, hidden_size = x.shape
     # torch's promotion rule for `weight * x`, as in the reference.
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.kernels.triton.device import check_device
+
 
 @triton.jit
 def _rotate_heads(
@@ -126,6 +128,7 @@ def rotary_embedding(
     for name, t in (("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim; got strides {t.stride()}")
+    check_device(_rotary_kernel, query)
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     num_tokens = query.shape[0]

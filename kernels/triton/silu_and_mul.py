@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.kernels.triton.device import check_device
+
 _BLOCK = 1024
 
 
@@ -34,6 +36,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() != 2 or x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [num_tokens, 2 * I] with contiguous rows; got {tuple(x.shape)}")
+    check_device(_silu_and_mul_kernel, x)
     num_tokens, width = x.shape
     intermediate_size = width // 2
     out = torch.empty(num_tokens, intermediate_size, dtype=x.dtype, device=x.device)

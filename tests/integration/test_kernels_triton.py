@@ -164,6 +164,24 @@ def test_exports_every_kernel_with_reference_signatures(triton_cpu: ModuleType):
         assert inspect.signature(getattr(triton_cpu, name)) == inspect.signature(getattr(ref, name)), name
 
 
+def test_kernels_on_cpu_without_interpreter_name_the_fix():
+    """Outside the interpreter a CPU tensor gets an error that says what to do, not "0 active drivers"."""
+    import subprocess
+
+    code = (
+        "import torch\n"
+        "from conveyor.kernels.triton import TritonUnavailableError, silu_and_mul\n"
+        "try:\n"
+        "    silu_and_mul(torch.randn(2, 8))\n"
+        "except TritonUnavailableError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "set TRITON_INTERPRET=1" in proc.stdout
+
+
 # --- paged attention -----------------------------------------------------------------------------
 
 
