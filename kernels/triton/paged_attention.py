@@ -26,11 +26,12 @@ _LOG2E = 1.4426950408889634
 
 # Decode tiling: tokens of context per loop iteration, and bounds for the number of context splits.
 _DECODE_BLOCK_N = 64
+_DECODE_BLOCK_N_FP32 = 32
 _MAX_KV_SPLITS = 64
 # A split shorter than this spends more on its partial write and the reduce than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
-# Prefill tiling. float32 K/V tiles are twice as large: halve BLOCK_N so two pipeline stages of K and V
-# still fit in an A100's 164 KiB of shared memory at head_dim 128.
+# Prefill tiling. float32 K/V tiles are twice as large: halve BLOCK_N (here and for decode) so two
+# pipeline stages of K and V stay within ~100 KiB of shared memory at head_dim 128.
 _PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 64
 _PREFILL_BLOCK_N_FP32 = 32
@@ -385,7 +386,8 @@ def paged_attention_decode(
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     # Round split boundaries to whole tiles so only a sequence's last tile is partial.
     split_size = -(-max(1, max_seq_len) // num_splits)
-    split_size = -(-split_size // _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+    block_n = _DECODE_BLOCK_N_FP32 if query.dtype == torch.float32 else _DECODE_BLOCK_N
+    split_size = -(-split_size // block_n) * block_n
     # With one split the kernel writes `out` directly and these stay unused.
     partial_out = torch.empty(
         num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
@@ -426,7 +428,7 @@ def paged_attention_decode(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
-        BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST_DOT=_upcast_dot(query),
         SINGLE_SPLIT=num_splits == 1,
