@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -174,37 +174,15 @@ class OpenAIServer:
         stream = self._merged(prompts, params, req.n, req.priority, arrival)
         num_prompt_tokens = sum(len(p) for p in prompts)
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-            body["choices"] = choices
-            if usage is not None:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
-
         if req.stream:
 
-            async def events() -> AsyncIterator[str]:
-                completion_tokens = 0
-                try:
-                    async for index, out in stream:
-                        if out.finished:
-                            completion_tokens += out.num_output_tokens
-                        if not out.new_text and not out.finished:
-                            continue
-                        lp = self._completion_logprobs(_Choice(index, logprobs=out.new_logprobs))
-                        reason = out.finish_reason.value if out.finish_reason else None
-                        yield chunk(
-                            [{"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}]
-                        )
-                    if req.include_usage:
-                        yield chunk([], _usage(num_prompt_tokens, completion_tokens))
-                except APIError as exc:
-                    yield f"data: {exc.response().body.decode()}\n\n"
-                finally:
-                    await stream.aclose()  # a client gone mid-stream aborts its requests now
-                yield "data: [DONE]\n\n"
+            def delta(index: int, out: RequestOutput) -> dict:
+                lp = self._completion_logprobs(_Choice(index, logprobs=out.new_logprobs))
+                reason = out.finish_reason.value if out.finish_reason else None
+                return {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            header = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+            return _sse_response(stream, header, num_prompt_tokens, req.include_usage, delta)
 
         choices = await self._collect(stream, raw, len(prompts) * req.n)
         body = {
@@ -281,46 +259,30 @@ class OpenAIServer:
         stream = self._merged([prompt_ids], params, req.n, req.priority, arrival)
         top_n = req.top_logprobs
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {
+        if req.stream:
+
+            def delta(index: int, out: RequestOutput) -> dict:
+                lp = self._chat_logprobs(out.new_logprobs, top_n) if req.logprobs else None
+                reason = out.finish_reason.value if out.finish_reason else None
+                content = {"content": out.new_text} if out.new_text else {}
+                return {"index": index, "delta": content, "logprobs": lp, "finish_reason": reason}
+
+            header = {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model_name,
             }
-            body["choices"] = choices
-            if usage is not None:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
-
-        if req.stream:
-
-            async def events() -> AsyncIterator[str]:
-                completion_tokens = 0
-                try:
-                    for i in range(req.n):
-                        delta = {"role": "assistant", "content": ""}
-                        yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-                    async for index, out in stream:
-                        if out.finished:
-                            completion_tokens += out.num_output_tokens
-                        if not out.new_text and not out.finished:
-                            continue
-                        lp = self._chat_logprobs(out.new_logprobs, top_n) if req.logprobs else None
-                        reason = out.finish_reason.value if out.finish_reason else None
-                        delta = {"content": out.new_text} if out.new_text else {}
-                        yield chunk(
-                            [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]
-                        )
-                    if req.include_usage:
-                        yield chunk([], _usage(len(prompt_ids), completion_tokens))
-                except APIError as exc:
-                    yield f"data: {exc.response().body.decode()}\n\n"
-                finally:
-                    await stream.aclose()  # a client gone mid-stream aborts its requests now
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            opening = [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(req.n)
+            ]
+            return _sse_response(stream, header, len(prompt_ids), req.include_usage, delta, opening)
 
         choices = await self._collect(stream, raw, req.n)
         body = {
@@ -340,6 +302,44 @@ class OpenAIServer:
             "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in choices)),
         }
         return JSONResponse(body)
+
+
+def _sse_response(
+    stream: AsyncIterator[tuple[int, RequestOutput]],
+    header: dict,
+    num_prompt_tokens: int,
+    include_usage: bool,
+    delta: Callable[[int, RequestOutput], dict],
+    opening: list[dict] | None = None,
+) -> StreamingResponse:
+    """Server-sent events of OpenAI's streaming format: `opening` choices, then one chunk per output with
+    new text (or a finish), the usage chunk when asked for, and `[DONE]`."""
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {**header, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        completion_tokens = 0
+        try:
+            for choice in opening or []:
+                yield chunk([choice])
+            async for index, out in stream:
+                if out.finished:
+                    completion_tokens += out.num_output_tokens
+                if out.new_text or out.finished:
+                    yield chunk([delta(index, out)])
+            if include_usage:
+                yield chunk([], _usage(num_prompt_tokens, completion_tokens))
+        except APIError as exc:
+            yield f"data: {exc.response().body.decode()}\n\n"
+        finally:
+            await stream.aclose()  # a client gone mid-stream aborts its requests now
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
