@@ -66,6 +66,8 @@ DECODE_BATCHES = (1, 8, 32, 128, 256)
 DECODE_CONTEXTS = (128, 1024, 4096, 8192)
 # (sequences, query rows per sequence, context per sequence): full prefills and chunks of long prompts.
 PREFILL_CASES = ((1, 512, 512), (1, 2048, 2048), (1, 8192, 8192), (4, 512, 4096))
+# A continuous-batching step: one 512-token chunk of a 2048-token prompt beside 64 decodes at 2048.
+MIXED_CASE = (1, 512, 2048, 64)
 TOKEN_COUNTS = (1, 64, 256, 4096)
 
 
@@ -380,7 +382,8 @@ def run(
         for num_seqs, q_len, context in prefills:
             row = bench_prefill(tk, m, num_seqs, q_len, context, dtype, device, timer)
             rows.extend([row] if row else [])
-        mixed = bench_prefill(tk, m, 1, 512, 2048, dtype, device, timer, decodes=64)
+        num_seqs, q_len, context, decodes = MIXED_CASE
+        mixed = bench_prefill(tk, m, num_seqs, q_len, context, dtype, device, timer, decodes=decodes)
         rows.extend([mixed] if mixed else [])
         for num_tokens in tokens:
             rows.extend(bench_small_kernels(tk, ref, m, num_tokens, dtype, device, timer))

@@ -436,6 +436,23 @@ def test_benchmark_rows_and_table_on_cpu(triton_cpu: ModuleType):
     assert table[2].startswith("| paged_attention decode | tiny | batch 3, context 40 | 1000.0 |")
 
 
+def test_benchmark_sweep_on_cpu(triton_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch):
+    """The whole sweep of benchmarks/kernels.py, shrunk to tiny shapes, with a stand-in timer."""
+    from conveyor.benchmarks import kernels as bench
+
+    monkeypatch.setattr(bench, "MODELS", (bench.ModelShape("tiny", 4, 2, 64, 128, 96),))
+    monkeypatch.setattr(bench, "DECODE_BATCHES", (1, 2))
+    monkeypatch.setattr(bench, "DECODE_CONTEXTS", (16, 40))
+    monkeypatch.setattr(bench, "PREFILL_CASES", ((1, 20, 20), (2, 8, 40)))
+    monkeypatch.setattr(bench, "MIXED_CASE", (1, 8, 24, 2))
+    monkeypatch.setattr(bench, "TOKEN_COUNTS", (3,))
+    rows = bench.run(ref, triton_cpu, torch.float32, torch.device("cpu"), _call_once)
+    kinds = ["paged_attention decode"] * 4 + ["paged_attention prefill"] * 2 + ["paged_attention mixed"]
+    assert [r.kernel for r in rows[:7]] == kinds
+    assert len(rows) == 7 + 5
+    assert all(r.max_diff < 1e-5 for r in rows[:4])
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the message printed when there is no CUDA device"
 )
