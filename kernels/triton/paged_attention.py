@@ -16,6 +16,8 @@ the input dtype; K/V slots past a sequence's length are never loaded.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -321,11 +323,18 @@ def _prefill_kernel(
     )
 
 
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    # Asked once per device, not once per layer and step.
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _device_programs_target(device: torch.device) -> int:
     """How many decode programs keep the device busy: two per SM on CUDA; a small fixed number
-    elsewhere (the interpreter), so that tests still exercise several splits."""
+    elsewhere (the interpreter)."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return 2 * _cuda_sm_count(index)
     return 8
 
 
