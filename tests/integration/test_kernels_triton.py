@@ -217,6 +217,17 @@ def test_paged_attention_decode_split_reduce(triton_cpu: ModuleType, num_splits:
     assert out[others].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_attention_splits_one_long_sequence_by_default(triton_cpu: ModuleType, dtype):
+    """A lone long decode is split across programs by the default heuristic (the case it exists for)."""
+    from conveyor.kernels.triton.paged_attention import num_kv_splits
+
+    batch = PagedBatch([(777, 1)], (4, 2, 64, 16), dtype, seed=19)
+    assert num_kv_splits(1, 2, 777, torch.device("cpu")) == 2
+    out = triton_cpu.paged_attention(*batch.args())
+    torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
+
+
 def test_paged_attention_prefill_kernel_alone_covers_decode_rows(triton_cpu: ModuleType):
     """The prefill kernel is general: with skip_decode=False it computes every row, decode rows too."""
     from conveyor.kernels.triton.paged_attention import paged_attention_prefill
