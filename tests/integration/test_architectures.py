@@ -1,0 +1,106 @@
+"""Each supported architecture, as a small random model in Hugging Face layout loaded from a local
+directory (`conveyor serve MODEL`): greedy tokens equal transformers' own implementation's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conveyor.server.engine.engine import LLMEngine
+from conveyor.server.engine.request import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    # Peaked logits: greedy ties would test float rounding instead of the model code.
+    initializer_range=0.2,
+)
+
+
+def _config(kind: str):
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True, rope_theta=500000.0)
+    if kind == "llama3-rope-scaling":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return transformers.LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling=scaling)
+    if kind == "mistral":
+        return transformers.MistralConfig(**SHAPE, sliding_window=None)
+    if kind == "qwen2":  # q/k/v projections with bias
+        return transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False)
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from conveyor.server.model.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope-scaling", "mistral", "qwen2"])
+def test_random_model_from_a_local_directory_matches_transformers(kind, tokenizer, tmp_path):
+    import transformers
+
+    config = _config(kind)
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if kind == "qwen2":  # random biases, so the test notices if they are dropped
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512),
+            cache=CacheConfig(kv_cache_memory=1 << 24),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32),
+        )
+    )
+    assert engine.served_model_name == tmp_path.name
+    prompts = ["Hello there", "The capital of France is", "A long prompt " * 12]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    for i, p in enumerate(ids):
+        engine.add_request(str(i), p, params)
+    ours: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ours[out.request_id] += out.new_token_ids
+    for i, p in enumerate(ids):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        assert ours[str(i)] == ref[0, len(p) :].tolist(), f"{kind}: prompt {i}"
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    import transformers
+
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
+        LLMEngine(EngineConfig(model=ModelConfig(model=str(tmp_path))))
+
+
+def test_missing_model_path_is_a_clear_error():
+    from conveyor.server.model.loader import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        LLMEngine(EngineConfig(model=ModelConfig(model="/nonexistent/model")))
