@@ -1,8 +1,15 @@
 """Fixtures shared by every test folder."""
 
+import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
+
+# Without a GPU, Triton kernels run only under its interpreter, and Triton reads this variable when it is
+# first imported (transformers imports it too): set it before any test module can import triton.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.k8s.cluster import LocalCluster
 

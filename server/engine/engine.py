@@ -6,6 +6,7 @@ Synchronous and single-threaded; `AsyncEngine` runs it in its own thread beside 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -114,6 +115,11 @@ class LLMEngine:
         hf_config = loader.load_config(source)
         self.dtype = self._pick_dtype(mc.dtype, hf_config)
         backend = dc.attention_backend if dc.attention_backend != "auto" else default_backend(device_type)
+        if backend == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "--attention-backend triton needs CUDA; on CPU it runs only under Triton's interpreter "
+                "(set TRITON_INTERPRET=1 before starting)"
+            )
         logger.info("device %s, dtype %s, kernel backend %s", self.device, self.dtype, backend)
         ops = load_backend(backend)
         self.tokenizer = loader.load_tokenizer(source)

@@ -104,3 +104,12 @@ def test_missing_model_path_is_a_clear_error():
 
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         LLMEngine(EngineConfig(model=ModelConfig(model="/nonexistent/model")))
+
+
+def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from conveyor.server.config import DeviceConfig
+
+    config = EngineConfig(device=DeviceConfig(device="cpu", attention_backend="triton"))
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLMEngine(config)
