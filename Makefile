@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test bench lint fmt install k8s-tools cluster prometheus
+.PHONY: serve test bench bench-peers lint fmt install k8s-tools cluster prometheus
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ prometheus:
 # Serving benchmark, every system in one run (benchmarks/run_all.py); writes benchmarks/results/<date>/.
 bench: $(STAMP)
 	$(PY) -m conveyor.benchmarks.run_all $(BENCH_ARGS)
+
+# llama-cpp-python's server on the same GGUF and workload (the newest results folder); builds it once into ~/.cache.
+bench-peers: $(STAMP)
+	$(PY) -m conveyor.benchmarks.run_peers $(BENCH_ARGS)
 
 # Kubernetes test-bed binaries, built once per machine into ~/.cache (hack/k8s-tools/build.sh).
 k8s-tools:

@@ -1,7 +1,8 @@
 """Streaming OpenAI-compatible HTTP client that times each request (the I/O shell of the benchmark).
 
-One request = one SSE stream. Every chunk that carries ``choices`` is a timestamp (as vLLM's benchmark
-counts them); the final usage chunk (``stream_options.include_usage``) gives the exact token counts.
+One request = one SSE stream. Every chunk that carries generated text is a timestamp (a closing chunk with
+only a ``finish_reason`` is not); the final usage chunk (``stream_options.include_usage``) gives the exact
+token counts, and without it the text chunks are counted.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ async def send_request(
                 if chunk.get("error"):
                     return _failed(sample, start - t0, json.dumps(chunk["error"])[:500])
                 now = time.perf_counter()
-                if chunk.get("choices"):
+                if _has_text(chunk):
                     if chunks == 0:
                         ttft = now - start
                     else:
@@ -114,6 +115,15 @@ async def send_request(
         itl_s=tuple(itl),
         start_s=start - t0,
     )
+
+
+def _has_text(chunk: dict[str, Any]) -> bool:
+    """Whether a stream chunk carries generated text (completions ``text`` or chat ``delta.content``)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False
+    choice = choices[0]
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
 
 
 def _failed(sample: SampleRequest, start_s: float, error: str) -> RequestRecord:

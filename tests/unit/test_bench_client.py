@@ -91,3 +91,17 @@ def test_extra_body_is_merged_into_the_payload():
     payload = build_payload(SampleRequest([1], 1, 3), settings)
     assert payload["logit_bias"] == {"2": -100}
     assert payload["temperature"] == 0.5
+
+
+def test_without_usage_text_chunks_are_counted_and_a_closing_chunk_is_not_a_token():
+    body = _sse(
+        {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "b", "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "c"}}]},
+        {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+        "[DONE]",
+    )
+    record = _run(lambda r: httpx.Response(200, content=body), SampleRequest([1, 2], 2, 3))
+    assert record.success
+    assert record.output_len == 3
+    assert len(record.itl_s) == 2
