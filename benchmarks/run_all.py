@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "region waits for a descheduled thread (4-15x slower under load)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=16, help="max batch size for every system")
-    parser.add_argument("--num-prompts", type=int, default=48, help="requests in the main workload")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests in the main workload")
     parser.add_argument(
         "--min-input-len", type=int, default=24, help="main workload: shortest prompt (tokens)"
     )
@@ -391,7 +391,12 @@ def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], comman
         f"{env['transformers']}, {bench.args.dtype}, {bench.args.threads} threads, commit {env['commit'][:12]}. "
         f"Matmul rate ({peak['n']}x{peak['n']} torch.mm, {peak['dtype']}): {peak_gflops:.1f} GFLOP/s; "
         f"MFU = 2 x {bench.num_params:,} params x total tok/s / that rate. Load average at start "
-        f"{env['load_average_start'][0]:.2f}, at end {env['load_average_end'][0]:.2f} (other jobs shared the CPU).",
+        f"{env['load_average_start'][0]:.2f}, at end {env['load_average_end'][0]:.2f} (each run's is in summary.json; "
+        "other jobs may share the CPU).",
+        "",
+        "conveyor runs as a `conveyor serve` process measured over HTTP by `conveyor bench` on the same machine "
+        "(streaming, exact output lengths via `ignore_eos` + `min_tokens`); the transformers baselines run "
+        "in-process with every request at time 0 and per-token timestamps, so they pay no HTTP or client cost.",
         "",
         f"Main workload: {bench.args.num_prompts} requests, long-tailed prompt and output lengths with a "
         f"{bench.args.spread:g}x spread, exact output lengths, max batch size {bench.args.max_num_seqs} for every system. "
