@@ -27,7 +27,10 @@ from conveyor.server.config import (
 
 # Subcommands implemented in other modules: name -> ("module:function(argv) -> int", help).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("conveyor.benchmarks.serve:main", "benchmark any OpenAI-compatible server (vLLM's bench serve)"),
+    "bench": (
+        "conveyor.benchmarks.serve:main",
+        "benchmark any OpenAI-compatible server (vLLM's bench serve)",
+    ),
     "plan": ("conveyor.operator.plan:main", "print the KV-capacity plan (max_num_seqs) of a model on GPUs"),
     "crd": ("conveyor.operator.crd:main", "print or write the InferenceService CRD YAML"),
     "operator": ("conveyor.operator.run:main", "run the Kubernetes operator (kopf)"),
