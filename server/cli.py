@@ -14,7 +14,7 @@ import types
 import typing
 from typing import get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from conveyor.server.config import (
     CacheConfig,
@@ -62,7 +62,9 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ski
         if name in skip:
             continue
         flag = "--" + name.replace("_", "-")
-        help_text = f"{info.description} (default: {info.default})"
+        help_text = (
+            info.description if info.default is None else f"{info.description} (default: {info.default})"
+        )
         if info.annotation is bool:
             group.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
@@ -109,12 +111,14 @@ def serve(args: argparse.Namespace) -> int:
             device=_collect(args, DeviceConfig),
         )
         server_config = _collect(args, ServerConfig)
-    except ValueError as exc:
-        print(f"conveyor serve: invalid configuration: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        for error in exc.errors():
+            flag = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-")
+            print(f"conveyor serve: {flag}: {error['msg']}", file=sys.stderr)
         return 2
     try:
         engine = LLMEngine(config)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad model, path, or shape; no network for a hub id
         print(f"conveyor serve: {exc}", file=sys.stderr)
         return 1
     metrics = EngineMetrics(engine.served_model_name)

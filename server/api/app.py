@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.server.api.metrics import EngineMetrics
 from conveyor.server.api.protocol import (
@@ -44,9 +45,12 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(
-            self.status, "internal_server_error"
-        )
+        if self.status == 404:
+            kind = "not_found_error"
+        elif self.status < 500:
+            kind = "invalid_request_error"
+        else:
+            kind = "internal_server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
 
@@ -380,6 +384,10 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -76,6 +76,13 @@ class EngineMetrics:
             "conveyor:request_success", "Finished requests.", ["model_name", "finished_reason"], registry=r
         )
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        # Export every gauge and counter from the start, so a query sees 0 rather than no data.
+        for series in (self.num_waiting, self.num_running, self.kv_usage, self.prompt_tokens):
+            series.labels(model_name)
+        for series in (self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits):
+            series.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
 
     def on_step(self, engine, schedule) -> None:
         """Gauges and counters that follow the scheduler; called after every step, idle ones too."""

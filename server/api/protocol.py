@@ -30,7 +30,8 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    # torch generators take 64-bit seeds; choice i of n uses seed + i.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

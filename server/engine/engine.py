@@ -109,6 +109,8 @@ class LLMEngine:
         self.observer = observer
         mc, cc, dc = config.model, config.cache, config.device
         device_type = dc.device if dc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch finds no CUDA device")
         self.device = torch.device(device_type)
         source = loader.resolve_model(mc.model)
         self.served_model_name = mc.served_model_name or source.default_name
@@ -217,6 +219,11 @@ class LLMEngine:
             )
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        if params.min_tokens > params.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
+                "min_tokens",
+            )
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop_token_ids out of vocabulary: {bad_stop[:5]}", "stop_token_ids")

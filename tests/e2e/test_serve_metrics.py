@@ -61,17 +61,23 @@ def test_served_chat_answer_and_metrics_in_prometheus(serve_process, prometheus)
         assert float(wait_for(prometheus, gauge, lambda r: float(r[0]["value"][1]) == 0)[0]["value"][1]) == 0
 
 
-def test_serve_rejects_a_bad_flag_with_a_clear_message(tmp_path):
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--max-num-seqs", "0"], 2, "--max-num-seqs: Input should be greater than or equal to 1"),
+        (["--device", "cuda"], 1, "no CUDA device"),
+        (["/nonexistent/model"], 1, "does not exist"),
+    ],
+)
+def test_serve_rejects_bad_flags_with_a_clear_message(args, code, message):
     import subprocess
     import sys
     from pathlib import Path
 
     exe = Path(sys.executable).with_name("conveyor")
-    out = subprocess.run(
-        [str(exe), "serve", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 2
-    assert "max_num_seqs" in out.stderr and "greater than or equal to 1" in out.stderr
+    out = subprocess.run([str(exe), "serve", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == code
+    assert message in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -205,6 +205,9 @@ BAD_REQUESTS = [
     ({"prompt": "hello", "model": "gpt-4"}, 404, "model"),
     ({"prompt": [5, 49152]}, 400, "prompt"),
     ({"prompt": [5, -1]}, 400, "prompt"),
+    ({"prompt": "hello", "seed": 2**64}, 400, "seed"),
+    ({"prompt": "hello", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": "hello", "echo": True}, 400, "echo"),
 ]
 
 
@@ -275,3 +278,19 @@ def test_ttft_histogram_agrees_with_the_client(server):
     assert abs(observed - ttft) < 0.5
     assert scrape(server, "conveyor:request_success_total", model_name=MODEL, finished_reason="length") >= 1
     assert scrape(server, "conveyor:num_requests_waiting") == 0
+
+
+def test_unknown_path_gets_an_openai_error_body(server):
+    resp = httpx.get(server.base_url + "/v1/nothing-here")
+    assert resp.status_code == 404
+    assert resp.json()["error"]["type"] == "not_found_error"
+
+
+def test_counters_are_exported_before_their_first_event(server):
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in (
+        "conveyor:num_preemptions_total",
+        "conveyor:prefix_cache_hits_total",
+        "conveyor:prompt_tokens_total",
+    ):
+        assert f'{name}{{model_name="{MODEL}"}}' in text
