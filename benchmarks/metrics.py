@@ -103,9 +103,10 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 def summarize_ms(
     values_s: Sequence[float], percentiles: Sequence[float] = DEFAULT_PERCENTILES
 ) -> dict[str, float | None]:
-    """Mean, median and the given percentiles of latencies given in seconds, returned in milliseconds.
+    """Mean, median, the given percentiles and the maximum of latencies given in seconds, in milliseconds.
 
-    Keys: ``mean``, ``median``, ``p<q>`` (``p90``, ``p99``, ``p99.9``). Values are None when ``values_s`` is empty.
+    Keys: ``mean``, ``median``, ``p<q>`` (``p90``, ``p99``, ``p99.9``), ``max``. Values are None when
+    ``values_s`` is empty.
     """
     ms = [v * 1000.0 for v in values_s]
     summary: dict[str, float | None] = {
@@ -114,6 +115,7 @@ def summarize_ms(
     }
     for q in percentiles:
         summary[f"p{q:g}"] = percentile(ms, q)
+    summary["max"] = max(ms) if ms else None
     return summary
 
 

@@ -129,3 +129,20 @@ def targets_table(checks: Sequence[Mapping[str, Any]]) -> str:
         met = {True: "yes", False: "no", None: "not measured"}[check["met"]]
         lines.append(f"| {check['target']} | {check['goal']} | {_fmt(check['measured'], 2)} | {met} |")
     return "\n".join(lines)
+
+
+def sweep_table(runs: Sequence[Run]) -> str:
+    """Chunked-prefill sweep: TTFT and ITL (p50, p99, max; ms) per ``chunk_tokens``, smallest budget first."""
+    lines = [
+        "| --max-num-batched-tokens | TTFT p50 / p99 (ms) | ITL p50 / p99 / max (ms) | TPOT p99 (ms) | E2E p99 (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for run in sorted(runs, key=lambda r: r["chunk_tokens"]):
+        m = run["metrics"]
+        ttft, itl = m["ttft_ms"], m["itl_ms"]
+        lines.append(
+            f"| {run['chunk_tokens']} | {_fmt(ttft['median'])} / {_fmt(ttft['p99'])} "
+            f"| {_fmt(itl['median'])} / {_fmt(itl['p99'])} / {_fmt(itl.get('max'))} "
+            f"| {_fmt(m['tpot_ms']['p99'])} | {_fmt(m['e2el_ms']['p99'])} |"
+        )
+    return "\n".join(lines)

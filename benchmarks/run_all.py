@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-conveyor", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild summary, tables and plots from the run JSONs in --out",
+    )
     return parser
 
 
@@ -350,7 +355,7 @@ def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], comman
     runs = bench.runs
     summary_runs = [{k: v for k, v in r.items() if k != "records"} for r in runs]
     checks = report.target_checks(summary_runs)
-    env["load_average_end"] = os.getloadavg()
+    env.setdefault("load_average_end", os.getloadavg())
     summary = {
         "environment": env,
         "matmul_peak": peak,
@@ -418,6 +423,10 @@ def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], comman
         "",
         report.runs_table(summary_runs),
         "",
+        "## Chunked-prefill sweep",
+        "",
+        report.sweep_table([r for r in summary_runs if "chunk_tokens" in r]),
+        "",
         "## p99 per prompt-length bucket",
         "",
         report.bucket_table(summary_runs),
@@ -427,10 +436,43 @@ def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], comman
     print((out / "results.md").read_text())
 
 
+def rebuild_report(out: Path) -> int:
+    """Recompute every run's metrics from its saved records and rewrite summary, tables and plots.
+
+    Keeps the environment, matmul rate, settings and command of ``out/summary.json`` and its runs only
+    (``make bench-peers`` results stay in their own ``peers.md``).
+    """
+    summary = json.loads((out / "summary.json").read_text())
+    args = argparse.Namespace(**summary["settings"])
+    bench = Bench(out, args, summary["matmul_peak"]["flops_per_s"], summary["num_params"])
+    bench.capacity_system = summary["online_capacity"]["system"]
+    bench.capacity_req_s = summary["online_capacity"]["requests_per_s"]
+    order = {run["name"]: index for index, run in enumerate(summary["runs"])}
+    runs = []
+    for path in out.glob("*.json"):
+        if path.name == "summary.json":
+            continue
+        run = json.loads(path.read_text())
+        if run.get("name") not in order:
+            continue
+        records = [RequestRecord(**{**r, "itl_s": tuple(r["itl_s"])}) for r in run["records"]]
+        metrics = compute_metrics(records, run["metrics"]["duration_s"], bench.slos)
+        run["metrics"] = asdict(metrics)
+        run["mfu"] = model_flops_utilization(
+            bench.num_params, metrics.total_token_throughput, bench.peak_flops
+        )
+        runs.append(run)
+    bench.runs = sorted(runs, key=lambda r: order[r["name"]])
+    write_report(bench, summary["environment"], summary["matmul_peak"], summary["command"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the whole comparison; returns 0 when every system that ran completed all its requests."""
     args = build_parser().parse_args(argv)
     out = Path(args.out or f"benchmarks/results/{time.strftime('%Y-%m-%d', time.gmtime())}")
+    if args.report_only:
+        return rebuild_report(out)
     out.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else argv
     command = "python -m conveyor.benchmarks.run_all " + " ".join(given)

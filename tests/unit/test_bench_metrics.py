@@ -42,7 +42,8 @@ def test_summarize_converts_seconds_to_ms():
     assert summary["median"] == pytest.approx(300.0)
     assert summary["p90"] == pytest.approx(760.0)  # rank 3.6: 400 + 0.6 * 600
     assert summary["p99"] == pytest.approx(976.0)  # rank 3.96: 400 + 0.96 * 600
-    assert summarize_ms([]) == {"mean": None, "median": None, "p90": None, "p99": None}
+    assert summary["max"] == pytest.approx(1000.0)
+    assert summarize_ms([]) == {"mean": None, "median": None, "p90": None, "p99": None, "max": None}
 
 
 @pytest.mark.parametrize(
