@@ -3,7 +3,7 @@
 from dataclasses import asdict
 
 from conveyor.benchmarks.metrics import RequestRecord, compute_metrics
-from conveyor.benchmarks.report import bucket_table, runs_table, target_checks, targets_table
+from conveyor.benchmarks.report import bucket_table, runs_table, sweep_table, target_checks, targets_table
 
 
 def _run(system, scenario, output_tokens, ttft_s, duration_s=10.0):
@@ -44,3 +44,13 @@ def test_tables_have_one_row_per_run():
     )
     buckets = bucket_table(runs)
     assert buckets.splitlines()[2] == "| conveyor continuous | offline | - | 1, 1,000, n/a | - |"
+
+
+def test_sweep_table_orders_by_token_budget_and_shows_the_itl_maximum():
+    small = {**_run("conveyor continuous", "sweep 512", 10, 1.0), "chunk_tokens": 512}
+    large = {**_run("conveyor continuous", "sweep 4096", 10, 2.0), "chunk_tokens": 4096}
+    small["metrics"]["itl_ms"]["max"] = 1200.0
+    large["metrics"]["itl_ms"]["max"] = 3100.0
+    rows = sweep_table([large, small]).splitlines()[2:]
+    assert rows[0].startswith("| 512 | 1,000 / 1,000 | n/a / n/a / 1,200 |")
+    assert rows[1].startswith("| 4096 | 2,000 / 2,000 | n/a / n/a / 3,100 |")
