@@ -66,7 +66,6 @@ def p99_by_bucket(runs: Sequence[Run], path: str | Path, title: str, metric: str
         ax.bar(positions, values, width, label=f"{run['system']} ({run['scenario']})")
     ax.set_xticks([b + 0.4 - width / 2 for b in range(len(BUCKETS))], [f"prompt {b} tokens" for b in BUCKETS])
     ax.set_ylabel(f"p99 {metric.upper()} (ms)")
-    ax.set_yscale("log")
     ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
