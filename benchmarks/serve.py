@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -280,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     samples = load_samples(args)
     if not samples:
         raise SystemExit("the workload is empty")
-    model = args.model or asyncio.run(_model_id(base_url))
+    try:
+        model = args.model or asyncio.run(_model_id(base_url))
+    except httpx.HTTPError as exc:
+        print(f"conveyor bench: cannot reach {base_url}: {exc}", file=sys.stderr)
+        return 1
     settings = RequestSettings(
         model=model, endpoint=args.endpoint, exact_output=not args.no_exact_output, extra_body=args.extra_body
     )

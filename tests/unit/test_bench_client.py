@@ -105,3 +105,24 @@ def test_without_usage_text_chunks_are_counted_and_a_closing_chunk_is_not_a_toke
     assert record.success
     assert record.output_len == 3
     assert len(record.itl_s) == 2
+
+
+def test_bench_without_a_server_is_a_one_line_error(capsys):
+    from conveyor.benchmarks.serve import main
+
+    assert (
+        main(
+            [
+                "--base-url",
+                "http://127.0.0.1:1",
+                "--num-prompts",
+                "1",
+                "--input-len",
+                "4",
+                "--output-len",
+                "2",
+            ]
+        )
+        == 1
+    )
+    assert "cannot reach http://127.0.0.1:1" in capsys.readouterr().err
