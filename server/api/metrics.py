@@ -83,6 +83,13 @@ class EngineMetrics:
             series.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+        # Histograms too: rate() over a series needs a sample from before its first observation.
+        for series in (self.itl, self.iteration_tokens):
+            series.labels(model_name)
+        per_bucket = (self.ttft, self.tpot, self.e2e, self.queue_time, self.prefill_time, self.decode_time)
+        for series in per_bucket:
+            for bucket in ("0-512", "512-2048", "2048+"):
+                series.labels(model_name, bucket)
 
     def on_step(self, engine, schedule) -> None:
         """Gauges and counters that follow the scheduler; called after every step, idle ones too."""

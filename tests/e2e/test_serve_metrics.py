@@ -24,8 +24,8 @@ def wait_for(prometheus, promql: str, predicate, timeout: float = 30.0):
 
 
 def test_served_chat_answer_and_metrics_in_prometheus(serve_process, prometheus):
-    # rate() needs a scrape from before the requests.
-    wait_for(prometheus, "conveyor:num_requests_running", lambda r: True)
+    # rate() needs a scrape from before the requests (the server exports the histograms at zero).
+    wait_for(prometheus, "conveyor:time_to_first_token_seconds_count", lambda r: True)
     client = openai.OpenAI(base_url=serve_process.base_url + "/v1", api_key="unused", max_retries=0)
     reply = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
