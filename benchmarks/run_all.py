@@ -263,7 +263,9 @@ def run_conveyor(bench: Bench, main_samples: list[SampleRequest], sweep_samples:
     warm = main_samples[:2]
     capacity: float | None = None
     has_static = server_supports("--scheduling")
-    systems = [("conveyor static", ["--scheduling", "static"])] if has_static else []
+    # Static batching prefills whole prompts: its step budget must hold the longest (the model's 8192).
+    static_flags = ["--scheduling", "static", "--max-num-batched-tokens", "8192"]
+    systems = [("conveyor static", static_flags)] if has_static else []
     if not has_static:
         print("[bench] conveyor serve has no --scheduling: static runs skipped", flush=True)
     systems.append(("conveyor continuous", ["--scheduling", "continuous"] if has_static else []))

@@ -148,6 +148,13 @@ class LLMEngine:
                 f"bytes/token), fewer than max_model_len {self.max_model_len}: raise --kv-cache-memory "
                 f"(or --gpu-memory-utilization) or lower --max-model-len"
             )
+        sc = config.scheduler
+        chunked = sc.enable_chunked_prefill and sc.scheduling == "continuous"
+        if not chunked and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a prompt must fit one step: --max-num-batched-tokens "
+                f"{sc.max_num_batched_tokens} is less than --max-model-len {self.max_model_len}"
+            )
         fits = pool_tokens // self.max_model_len
         max_num_seqs = config.scheduler.max_num_seqs or fits
         if max_num_seqs > fits:

@@ -58,6 +58,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Static batching only: finished members of the current batch, still computing (discarded) tokens
+        # until its longest member ends, as padded request-level batching does.
+        self.padding: list[Request] = []
         self.num_preemptions = 0
 
     def _order_key(self, request: Request) -> tuple[int, float]:
@@ -76,18 +79,28 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request: Request, reason: FinishReason) -> None:
-        """Stop a request (finished or aborted) and free its blocks now."""
+        """Stop a request (finished or aborted) and free its blocks now; under static batching a finished
+        member of an unfinished batch keeps its slot as padding until the batch ends."""
         if request.is_finished:
             return
-        if request.status is RequestStatus.RUNNING:
+        was_running = request.status is RequestStatus.RUNNING
+        if was_running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
+        static = self.config.scheduling == "static"
+        if static and was_running and reason is not FinishReason.ABORT and self.running:
+            self.padding.append(request)
+        else:
+            self.kv_cache.free(request)
+        if static and not self.running:
+            for padded in self.padding:
+                self.kv_cache.free(padded)
+            self.padding.clear()
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort by id; returns the request, or None when it is unknown or already finished."""
@@ -133,6 +146,17 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        # Padding of a static batch: one wasted token each, as a padded batch computes them.
+        for request in list(self.padding):
+            if budget <= 0:
+                break
+            if not self.kv_cache.allocate_slots(request, 1, []):
+                self.padding.remove(request)
+                self.kv_cache.free(request)
+                continue
+            out.scheduled.append(ScheduledRequest(request, 1))
+            budget -= 1
+
         # Then waiting requests; static batching admits a new batch only when the last one is done.
         admit = not out.preempted and (self.config.scheduling == "continuous" or not self.running)
         self.waiting.sort(key=self._order_key)
@@ -171,6 +195,12 @@ class Scheduler:
         for sched in output.scheduled:
             request = sched.request
             request.num_computed_tokens += sched.num_new_tokens
+            if request.is_finished:  # static-batch padding: the token is computed and thrown away
+                request.all_token_ids.append(sampled_token_ids[request.request_id])
+                if request.num_tokens >= max_model_len and request in self.padding:
+                    self.padding.remove(request)
+                    self.kv_cache.free(request)
+                continue
             self.kv_cache.cache_full_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:

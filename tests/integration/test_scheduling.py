@@ -117,3 +117,24 @@ def test_chunked_prefill_keeps_decodes_going(engine, texts):
     with_long = [dict(r.scheduled) for r in steps if "long" in dict(r.scheduled)]
     assert len(with_long) >= 4  # the 50-token prompt needed several chunks
     assert all(s.get("decode") == 1 for s in with_long[:4])  # the decode got a token in every one of them
+
+
+def test_static_batching_pads_until_the_longest_member_ends(engine, texts):
+    prompts = {k: texts[k] for k in "abcd"}
+    expected = alone(engine, prompts)
+    configure(engine, scheduling="static", enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    lengths = {"a": 2, "b": 4, "c": 8, "d": 12}
+    for rid, ids in prompts.items():
+        engine.add_request(
+            rid, ids, SamplingParams(temperature=0.0, max_tokens=lengths[rid], ignore_eos=True)
+        )
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    start = engine.stats.num_steps
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert out == {rid: expected[rid][: lengths[rid]] for rid in prompts}
+    steps = list(engine.stats.recent_steps)[-(engine.stats.num_steps - start) :]
+    # Every step of the batch computes all four slots: finished members are padding until "d" ends.
+    assert [len(r.scheduled) for r in steps] == [4] * 12
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
