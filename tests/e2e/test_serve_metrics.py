@@ -50,8 +50,11 @@ def test_served_chat_answer_and_metrics_in_prometheus(serve_process, prometheus)
         lambda r: float(r[0]["value"][1]) == 4,
     )
     assert float(count[0]["value"][1]) == 4
-    tokens = wait_for(prometheus, "conveyor:generation_tokens_total", lambda r: float(r[0]["value"][1]) > 0)
-    assert float(tokens[0]["value"][1]) == reply.usage.completion_tokens + 12
+    expected_tokens = reply.usage.completion_tokens + 12
+    tokens = wait_for(
+        prometheus, "conveyor:generation_tokens_total", lambda r: float(r[0]["value"][1]) == expected_tokens
+    )
+    assert float(tokens[0]["value"][1]) == expected_tokens
     # Idle gauges: nothing waiting, nothing running, KV cache empty.
     for gauge in (
         "conveyor:num_requests_waiting",
