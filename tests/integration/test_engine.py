@@ -56,3 +56,27 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     }
     crowd["seeded"] = (prompt, SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16))
     assert run_to_completion(engine, crowd)["seeded"] == alone
+
+
+def test_a_queued_request_whose_client_left_is_never_prefilled(engine, monkeypatch):
+    import asyncio
+
+    from conveyor.server.engine.async_engine import AsyncEngine
+
+    # The loop thread is not started: the test plays its part, so the order of events is exact.
+    monkeypatch.setattr(AsyncEngine, "is_running", property(lambda self: True))
+    async_engine = AsyncEngine(engine)
+    prompt = engine.tokenizer("A request nobody waits for")["input_ids"]
+
+    async def client_leaves() -> None:
+        stream = async_engine.generate("gone", prompt, SamplingParams(max_tokens=4))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(anext(stream), timeout=0.05)  # queued, then the client goes away
+
+    asyncio.run(client_leaves())
+    async_engine._drain_inbox()  # what the loop does before every step: adds, then aborts
+    steps_before = engine.stats.num_steps
+    engine.step()
+    assert engine.stats.num_steps == steps_before  # nothing was scheduled: "gone" never ran
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
