@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from conveyor.kernels import onednn
 from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
 
 logger = logging.getLogger(__name__)
@@ -97,4 +98,7 @@ def load_model(
     # Parameters only: the rotary table stays float32 (as transformers keeps it).
     for param in model.parameters():
         param.data = param.data.to(dtype)
+    if onednn.packing_supported(dtype, device):
+        count = onednn.pack_linear_layers(model)
+        logger.info("CPU matmuls: %d linear layers pre-packed for oneDNN (bfloat16)", count)
     return model.eval()
