@@ -109,7 +109,8 @@ class _StepMemo:
     The model calls each kernel once per layer with the same per-step metadata objects (`block_tables`,
     `query_start_loc`, `seq_lens`, `positions`), so what is derived from them (host syncs, gather
     indices, masks, rotary tables) is built once per step, as vLLM's attention-metadata builders do.
-    Holding the key tensors keeps their ids from being reused.
+    Holding the key tensors keeps their ids from being reused, and their version counters make an
+    in-place change of a key tensor a miss.
     """
 
     def __init__(self, build) -> None:
@@ -117,13 +118,14 @@ class _StepMemo:
         self._entry: tuple[tuple, Any] | None = None
 
     def get(self, tensors: tuple[torch.Tensor, ...], sizes: tuple = ()) -> Any:
+        key = (tensors, tuple(t._version for t in tensors), sizes)
         entry = self._entry  # one read: safe when engines in several threads share the memo
         if entry is not None:
-            key, value = entry
-            if key[1] == sizes and all(a is b for a, b in zip(key[0], tensors, strict=True)):
+            (old_tensors, *rest), value = entry
+            if rest == list(key[1:]) and all(a is b for a, b in zip(old_tensors, tensors, strict=True)):
                 return value
         value = self._build(*tensors, *sizes)
-        self._entry = ((tensors, sizes), value)
+        self._entry = (key, value)
         return value
 
 

@@ -104,6 +104,37 @@ def test_paged_attention_decode_ignores_nan_in_unwritten_slots():
     torch.testing.assert_close(out[:1], _sdpa_truth(query[:1], k, v, 0.125))
 
 
+def test_paged_attention_reuses_step_metadata_across_layers_and_sees_in_place_edits():
+    """The per-step layout is built once for the step's metadata objects and reused by every layer (each
+    layer has its own caches); editing a metadata tensor in place must not reuse the stale layout."""
+    g = torch.Generator().manual_seed(2)
+    caches = [
+        (torch.randn(4, 16, 2, 64, generator=g), torch.randn(4, 16, 2, 64, generator=g)) for _ in range(2)
+    ]
+    block_tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 1, 2], dtype=torch.int32)
+    seq_lens = torch.tensor([30, 17], dtype=torch.int32)
+    query = torch.randn(2, 4, 64, generator=g)
+
+    def truth(key_cache, value_cache, lens):
+        rows = []
+        for b, seq_len in enumerate(lens):
+            table = block_tables[b].long()
+            k = key_cache[table].reshape(-1, 2, 64)[:seq_len]
+            v = value_cache[table].reshape(-1, 2, 64)[:seq_len]
+            rows.append(_sdpa_truth(query[b : b + 1], k, v, 0.125))
+        return torch.cat(rows)
+
+    for key_cache, value_cache in caches:  # two "layers", same metadata objects
+        out = ref.paged_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, 0.125, 1, 30
+        )
+        torch.testing.assert_close(out, truth(key_cache, value_cache, [30, 17]))
+    seq_lens[0] = 9  # the same object, edited in place
+    out = ref.paged_attention(query, *caches[0], block_tables, query_start_loc, seq_lens, 0.125, 1, 17)
+    torch.testing.assert_close(out, truth(*caches[0], [9, 17]))
+
+
 def test_reshape_and_cache_writes_only_mapped_slots():
     g = torch.Generator().manual_seed(1)
     key = torch.randn(5, 2, 8, generator=g)
