@@ -110,7 +110,8 @@ class _StepMemo:
     `query_start_loc`, `seq_lens`, `positions`), so what is derived from them (host syncs, gather
     indices, masks, rotary tables) is built once per step, as vLLM's attention-metadata builders do.
     Holding the key tensors keeps their ids from being reused, and their version counters make an
-    in-place change of a key tensor a miss.
+    in-place change of a key tensor a miss. Inference-mode tensors have no version counter: for them
+    identity alone decides (the model runner builds fresh metadata tensors every step).
     """
 
     def __init__(self, build) -> None:
@@ -118,7 +119,7 @@ class _StepMemo:
         self._entry: tuple[tuple, Any] | None = None
 
     def get(self, tensors: tuple[torch.Tensor, ...], sizes: tuple = ()) -> Any:
-        key = (tensors, tuple(t._version for t in tensors), sizes)
+        key = (tensors, tuple(-1 if t.is_inference() else t._version for t in tensors), sizes)
         entry = self._entry  # one read: safe when engines in several threads share the memo
         if entry is not None:
             (old_tensors, *rest), value = entry
