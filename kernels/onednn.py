@@ -13,12 +13,8 @@ with transformers token for token), and float16 packing needs AVX512-FP16.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 # The batch size oneDNN picks the packed layout for; 16-128 give the same speed at every size measured.
 PACK_BATCH_SIZE_HINT = 16

@@ -83,11 +83,11 @@ def _step_layout(
     nobody wrote (fresh cache memory may hold NaN, and a masked NaN still poisons the softmax: NaN - inf
     is NaN, 0 * NaN is NaN), so the gathered batch needs no cleaning pass."""
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    starts = query_start_loc[:-1].tolist()
     lens = seq_lens.tolist()
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
-    layout = _StepLayout(q_lens, query_start_loc[:-1].tolist(), lens, decode, None, None, 0)
     if not decode:
-        return layout
+        return _StepLayout(q_lens, starts, lens, decode, None, None, 0)
     all_decode = len(decode) == len(lens)
     tables = block_tables if all_decode else block_tables[decode]
     dlens = (seq_lens if all_decode else seq_lens[decode]).long()
@@ -100,7 +100,7 @@ def _step_layout(
     slots = tables.long().gather(1, pos // block_size) * block_size + pos % block_size  # [D, ctx]
     heads = torch.arange(num_kv_heads, device=device)
     rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
-    return _StepLayout(q_lens, layout.starts, lens, decode, rows, bias, ctx)
+    return _StepLayout(q_lens, starts, lens, decode, rows, bias, ctx)
 
 
 class _StepMemo:
@@ -116,17 +116,17 @@ class _StepMemo:
 
     def __init__(self, build) -> None:
         self._build = build
-        self._entry: tuple[tuple, Any] | None = None
+        self._entry: tuple[tuple, tuple, Any] | None = None
 
     def get(self, tensors: tuple[torch.Tensor, ...], sizes: tuple = ()) -> Any:
-        key = (tensors, tuple(-1 if t.is_inference() else t._version for t in tensors), sizes)
+        stamp = (tuple(-1 if t.is_inference() else t._version for t in tensors), sizes)
         entry = self._entry  # one read: safe when engines in several threads share the memo
         if entry is not None:
-            (old_tensors, *rest), value = entry
-            if rest == list(key[1:]) and all(a is b for a, b in zip(old_tensors, tensors, strict=True)):
+            old_tensors, old_stamp, value = entry
+            if old_stamp == stamp and all(a is b for a, b in zip(old_tensors, tensors, strict=True)):
                 return value
         value = self._build(*tensors, *sizes)
-        self._entry = (key, value)
+        self._entry = (tensors, stamp, value)
         return value
 
 
