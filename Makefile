@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test bench bench-peers lint fmt install k8s-tools cluster prometheus
+.PHONY: serve test bench bench-peers lint fmt install k8s-tools cluster prometheus cxx
 
 install: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/conveyor serve $(ARGS)
 
-test: $(STAMP) k8s-tools prometheus
+test: $(STAMP) cxx k8s-tools prometheus
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The e2e tests scrape the server with a real Prometheus (Debian's package; needs root or sudo).
@@ -29,8 +29,15 @@ prometheus:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+# The C++ CPU kernels (kernels/cpu.py) are compiled on first use with g++ (Debian's package; needs root
+# or sudo). Without it the server falls back to the torch kernels; the tests need it.
+cxx:
+	@command -v g++ >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends g++ >/dev/null; }
+
 # Serving benchmark, every system in one run (benchmarks/run_all.py); writes benchmarks/results/<date>/.
-bench: $(STAMP)
+bench: $(STAMP) cxx
 	$(PY) -m conveyor.benchmarks.run_all $(BENCH_ARGS)
 
 # llama-cpp-python's server on the same GGUF and workload (the newest results folder); builds it once into ~/.cache.

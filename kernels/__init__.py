@@ -1,6 +1,8 @@
-"""Kernels for the model's hot paths. Two backends with identical signatures:
+"""Kernels for the model's hot paths. Three backends with identical signatures:
 
-- `torch`: `conveyor.kernels.reference`, plain torch; the contract and the CPU path.
+- `torch`: `conveyor.kernels.reference`, plain torch; the contract, and the CPU path when the C++
+  kernels cannot be built.
+- `cpu`: `conveyor.kernels.cpu`, C++ kernels for CPUs compiled on first use (needs a C++ compiler).
 - `triton`: `conveyor.kernels.triton`, Triton kernels for CUDA (on CPU only under `TRITON_INTERPRET=1`).
 """
 
@@ -17,19 +19,31 @@ KERNEL_NAMES = (
     "rotary_embedding",
     "silu_and_mul",
 )
-BACKENDS = {"torch": "conveyor.kernels.reference", "triton": "conveyor.kernels.triton"}
+BACKENDS = {
+    "torch": "conveyor.kernels.reference",
+    "cpu": "conveyor.kernels.cpu",
+    "triton": "conveyor.kernels.triton",
+}
 
 
 def default_backend(device_type: str) -> str:
-    """`triton` on CUDA, `torch` elsewhere."""
-    return "triton" if device_type == "cuda" else "torch"
+    """`triton` on CUDA; on CPU `cpu` when its C++ kernels build here (first call compiles them, about
+    30 s once per machine), else `torch` (the reason is logged)."""
+    if device_type == "cuda":
+        return "triton"
+    from conveyor.kernels import cpu
+
+    return "cpu" if cpu.is_available() else "torch"
 
 
 def load_backend(name: str) -> ModuleType:
-    """The module providing every name in KERNEL_NAMES for backend `name` (`torch` or `triton`).
+    """The module providing every name in KERNEL_NAMES for backend `name` (`torch`, `cpu` or `triton`).
 
-    Raises ValueError for an unknown name.
+    Raises ValueError for an unknown name; `cpu.CPUKernelBuildError` when the C++ kernels cannot be built.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {sorted(BACKENDS)}")
-    return importlib.import_module(BACKENDS[name])
+    module = importlib.import_module(BACKENDS[name])
+    if name == "cpu":
+        module.load_library()
+    return module

@@ -190,11 +190,10 @@ def paged_attention(
     groups = num_heads // num_kv_heads
     layout = _STEP_MEMO.get((block_tables, query_start_loc, seq_lens), (block_size, num_kv_heads))
     q_lens, starts, lens, decode = layout.q_lens, layout.starts, layout.seq_lens, layout.decode
-    num_seqs = len(lens)
     out = torch.empty_like(query)
 
     if decode:
-        all_decode = len(decode) == num_seqs
+        all_decode = len(decode) == len(lens)
         q = query if all_decode else query[[starts[b] for b in decode]]
         q = q.view(len(decode), num_kv_heads, groups, -1)  # [D, kvh, g, d]
         o = _decode_attention(q, key_cache, value_cache, layout, scale).reshape(len(decode), num_heads, -1)
@@ -202,11 +201,32 @@ def paged_attention(
             return o
         out[[starts[b] for b in decode]] = o
 
-    for b in range(num_seqs):
-        q_len = q_lens[b]
+    prefill_attention(out, query, key_cache, value_cache, block_tables, q_lens, starts, lens, scale)
+    return out
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_lens: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> None:
+    """The rows of sequences with `q_len > 1` (prefill, chunked prefill) of `paged_attention`, written
+    into `out` in place, one sequence at a time with torch's flash-attention kernel for CPU; rows of
+    decode sequences are left as they are. Shared by the `torch` and `cpu` backends.
+
+    out, query: `[num_tokens, num_heads, head_dim]`. q_lens, starts, seq_lens: per sequence, Python ints
+    (query rows `starts[b] : starts[b] + q_lens[b]`, `seq_lens[b]` tokens of context).
+    """
+    for b, q_len in enumerate(q_lens):
         if q_len == 1:
             continue
-        seq_len = lens[b]
+        seq_len = seq_lens[b]
         k = _gather_kv(key_cache, block_tables[b : b + 1], seq_len)[0]  # [seq_len, kvh, d]
         v = _gather_kv(value_cache, block_tables[b : b + 1], seq_len)[0]
         q = query[starts[b] : starts[b] + q_len]  # [q_len, h, d]
@@ -221,7 +241,6 @@ def paged_attention(
             mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[starts[b] : starts[b] + q_len] = o.transpose(0, 1)
-    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

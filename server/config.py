@@ -69,8 +69,9 @@ class DeviceConfig(_Config):
     """Where and with which kernels the model runs."""
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="kernels: auto = triton on CUDA, torch elsewhere"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto",
+        description="kernels: auto = triton on CUDA; on CPU the C++ cpu kernels, or torch if they cannot be built",
     )
     tensor_parallel_size: int = Field(1, ge=1, le=1, description="GPUs per replica (1 is supported)")
 

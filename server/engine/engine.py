@@ -122,6 +122,8 @@ class LLMEngine:
                 "--attention-backend triton needs CUDA; on CPU it runs only under Triton's interpreter "
                 "(set TRITON_INTERPRET=1 before starting)"
             )
+        if backend == "cpu" and device_type != "cpu":
+            raise ValueError("--attention-backend cpu runs on CPU tensors; use triton or torch on CUDA")
         logger.info("device %s, dtype %s, kernel backend %s", self.device, self.dtype, backend)
         ops = load_backend(backend)
         self.tokenizer = loader.load_tokenizer(source)

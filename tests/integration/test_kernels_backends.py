@@ -1,5 +1,6 @@
-"""Every Triton kernel against its torch reference: on CPU under Triton's interpreter, and compiled on
-CUDA (`gpu` marker) when a device is present.
+"""Every kernel of the `cpu` (C++) and `triton` backends against its torch reference: the C++ kernels
+compiled for this CPU, the Triton kernels on CPU under Triton's interpreter and compiled on CUDA (`gpu`
+marker) when a device is present.
 
 Triton reads TRITON_INTERPRET once per function when `@triton.jit` decorates it, and its own library
 (`tl.sum`, `tl.max`, ...) is decorated when `triton` is first imported, which transformers' model code
@@ -55,6 +56,21 @@ def triton_cpu() -> ModuleType:
             pytest.skip(reason + "; with a CUDA device the gpu tests check the compiled kernels")
         pytest.fail(reason + "; without a CUDA device nothing else checks the Triton kernels")
     return importlib.import_module("conveyor.kernels.triton")
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels() -> ModuleType:
+    """`conveyor.kernels.cpu`, compiled here on first use (a build failure fails the test with the
+    compiler's message: the machines this runs on have a C++ compiler)."""
+    from conveyor.kernels import load_backend
+
+    return load_backend("cpu")
+
+
+@pytest.fixture(scope="module", params=["cpu", "triton"])
+def backend(request: pytest.FixtureRequest) -> ModuleType:
+    """Each non-reference backend in turn: the C++ CPU kernels, then Triton interpreted on CPU."""
+    return request.getfixturevalue("cpu_kernels" if request.param == "cpu" else "triton_cpu")
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +173,11 @@ class PagedBatch:
         return [starts[b] for b, q in enumerate(self.q_lens) if q == 1]
 
 
-def test_exports_every_kernel_with_reference_signatures(triton_cpu: ModuleType):
+def test_exports_every_kernel_with_reference_signatures(backend: ModuleType):
     import inspect
 
     for name in KERNEL_NAMES:
-        assert inspect.signature(getattr(triton_cpu, name)) == inspect.signature(getattr(ref, name)), name
+        assert inspect.signature(getattr(backend, name)) == inspect.signature(getattr(ref, name)), name
 
 
 def test_kernels_on_cpu_without_interpreter_name_the_fix():
@@ -187,18 +203,18 @@ def test_kernels_on_cpu_without_interpreter_name_the_fix():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-def test_paged_attention_decode_batch(triton_cpu: ModuleType, layout, dtype, poisoned_empty):
+def test_paged_attention_decode_batch(backend: ModuleType, layout, dtype, poisoned_empty):
     batch = PagedBatch(DECODE_BATCH, layout, dtype, seed=11)
-    out = triton_cpu.paged_attention(*batch.args())
+    out = backend.paged_attention(*batch.args())
     assert out.dtype == dtype and out.shape == batch.query.shape
     torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-def test_paged_attention_mixed_prefill_and_decode(triton_cpu: ModuleType, layout, dtype, poisoned_empty):
+def test_paged_attention_mixed_prefill_and_decode(backend: ModuleType, layout, dtype, poisoned_empty):
     batch = PagedBatch(MIXED_BATCH, layout, dtype, seed=12)
-    out = triton_cpu.paged_attention(*batch.args())
+    out = backend.paged_attention(*batch.args())
     torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
 
 
@@ -238,20 +254,20 @@ def test_paged_attention_prefill_kernel_alone_covers_decode_rows(triton_cpu: Mod
     torch.testing.assert_close(out, batch.truth(), **_tol(torch.float32))
 
 
-def test_paged_attention_long_prefill_spans_query_tiles(triton_cpu: ModuleType):
+def test_paged_attention_long_prefill_spans_query_tiles(backend: ModuleType):
     """A chunk longer than one 64-row query tile, starting mid-block after a cached prefix."""
     batch = PagedBatch([(227, 130), (70, 70)], (9, 3, 64, 16), torch.bfloat16, seed=15)
-    out = triton_cpu.paged_attention(*batch.args())
+    out = backend.paged_attention(*batch.args())
     torch.testing.assert_close(out.float(), batch.truth(), **_tol(torch.bfloat16))
 
 
-def test_paged_attention_strided_query(triton_cpu: ModuleType):
+def test_paged_attention_strided_query(backend: ModuleType):
     """The query as the model produces it: a view into a fused QKV projection (rows strided)."""
     batch = PagedBatch(MIXED_BATCH[:4], (9, 3, 64, 16), torch.float32, seed=16)
     qkv = torch.randn(batch.query.shape[0], (9 + 2 * 3) * 64)
     query = qkv[:, : 9 * 64].view(-1, 9, 64)
     query.copy_(batch.query)
-    out = triton_cpu.paged_attention(query, *batch.args()[1:])
+    out = backend.paged_attention(query, *batch.args()[1:])
     torch.testing.assert_close(out, batch.truth(), **_tol(torch.float32))
 
 
@@ -262,13 +278,57 @@ def test_paged_attention_rejects_bad_head_ratio(triton_cpu: ModuleType):
         triton_cpu.paged_attention(query, *batch.args()[1:])
 
 
+def test_cpu_kernels_reject_bad_input_with_a_message(cpu_kernels: ModuleType):
+    """Out-of-range indices are refused before anything is read or written, with the numbers."""
+    batch = PagedBatch(DECODE_BATCH[:2], (9, 3, 64, 16), torch.float32, seed=17)
+    with pytest.raises(RuntimeError, match="num_heads must be a multiple of num_kv_heads"):
+        cpu_kernels.paged_attention(torch.randn(batch.query.shape[0], 8, 64), *batch.args()[1:])
+    too_long = batch.seq_lens.clone()
+    too_long[1] = 10_000
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 10000 does not fit its block table"):
+        cpu_kernels.paged_attention(*batch.args()[:5], too_long, *batch.args()[6:])
+    cache = ref.rope_cos_sin_cache(64, 32, 10000.0)
+    q, k = torch.randn(2, 9, 64), torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="position 32 is outside the rotary table of 32 positions"):
+        cpu_kernels.rotary_embedding(torch.tensor([0, 32]), q, k, cache)
+    key_cache = torch.full((2, 16, 3, 64), float("nan"))
+    value_cache = key_cache.clone()
+    with pytest.raises(RuntimeError, match="slot 32 is outside the cache's 32 slots"):
+        cpu_kernels.reshape_and_cache(k, k, key_cache, value_cache, torch.tensor([0, 32]))
+    assert key_cache.isnan().all()  # nothing was written
+
+
+def test_cpu_backend_without_a_compiler_falls_back_to_torch(tmp_path):
+    """A machine whose C++ compiler is missing: `auto` picks the torch kernels and logs why; asking for
+    `cpu` by name raises CPUKernelBuildError with the build's message, on every call."""
+    import subprocess
+
+    code = (
+        "import logging\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(message)s')\n"
+        "from conveyor.kernels import cpu, default_backend, load_backend\n"
+        "print('default', default_backend('cpu'))\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        load_backend('cpu')\n"
+        "    except cpu.CPUKernelBuildError as exc:\n"
+        "        print('error', type(exc).__name__)\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["default torch", "error CPUKernelBuildError", "error CPUKernelBuildError"]
+    assert "building the C++ CPU kernels (cpu_kernels.cpp) failed" in proc.stderr
+    assert "using the torch reference kernels on CPU" in proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_paged_attention_long_contexts(triton_cpu: ModuleType, dtype):
+def test_paged_attention_long_contexts(backend: ModuleType, dtype):
     """Contexts of ~1-2K tokens decoded and chunk-prefilled with the default split heuristic."""
     shape = [(2048, 1), (1500, 1), (1100, 64), (17, 1)]
     batch = PagedBatch(shape, (32, 8, 128, 16), dtype, seed=18)
-    out = triton_cpu.paged_attention(*batch.args())
+    out = backend.paged_attention(*batch.args())
     torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
 
 
@@ -277,7 +337,7 @@ def test_paged_attention_long_contexts(triton_cpu: ModuleType, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS[:3], ids=LAYOUT_IDS[:3])
-def test_reshape_and_cache(triton_cpu: ModuleType, layout, dtype):
+def test_reshape_and_cache(backend: ModuleType, layout, dtype):
     _, num_kv_heads, head_dim, block_size = layout
     g = torch.Generator().manual_seed(21)
     num_blocks, num_tokens = 6, 23
@@ -293,7 +353,7 @@ def test_reshape_and_cache(triton_cpu: ModuleType, layout, dtype):
         torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
         for _ in range(4)
     ]
-    triton_cpu.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    backend.reshape_and_cache(key, value, caches[0], caches[1], slots)
     ref.reshape_and_cache(key, value, caches[2], caches[3], slots)
     for mine, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
         assert torch.equal(mine.isnan(), theirs.isnan())  # the same slots written, the rest untouched
@@ -307,11 +367,11 @@ def test_reshape_and_cache(triton_cpu: ModuleType, layout, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden_size", [576, 1000, 4096])
-def test_rms_norm(triton_cpu: ModuleType, hidden_size: int, dtype, poisoned_empty):
+def test_rms_norm(backend: ModuleType, hidden_size: int, dtype, poisoned_empty):
     g = torch.Generator().manual_seed(31)
     x = (torch.randn(5, hidden_size, generator=g) * 3).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden_size, generator=g)).to(dtype)
-    out = triton_cpu.rms_norm(x, weight, 1e-6)
+    out = backend.rms_norm(x, weight, 1e-6)
     expected = ref.rms_norm(x, weight, 1e-6)
     assert out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, **_tol(dtype))
@@ -319,13 +379,13 @@ def test_rms_norm(triton_cpu: ModuleType, hidden_size: int, dtype, poisoned_empt
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden_size", [576, 4096])
-def test_fused_add_rms_norm(triton_cpu: ModuleType, hidden_size: int, dtype, poisoned_empty):
+def test_fused_add_rms_norm(backend: ModuleType, hidden_size: int, dtype, poisoned_empty):
     g = torch.Generator().manual_seed(32)
     x = torch.randn(5, hidden_size, generator=g).to(dtype)
     residual = torch.randn(5, hidden_size, generator=g).to(dtype)
     weight = torch.randn(hidden_size, generator=g).to(dtype)
     x_before, residual_before = x.clone(), residual.clone()
-    out, new_residual = triton_cpu.fused_add_rms_norm(x, residual, weight, 1e-5)
+    out, new_residual = backend.fused_add_rms_norm(x, residual, weight, 1e-5)
     expected_out, expected_residual = ref.fused_add_rms_norm(x, residual, weight, 1e-5)
     torch.testing.assert_close(new_residual, expected_residual, **_tol(dtype))
     torch.testing.assert_close(out, expected_out, **_tol(dtype))
@@ -334,7 +394,7 @@ def test_fused_add_rms_norm(triton_cpu: ModuleType, hidden_size: int, dtype, poi
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS[:3], ids=LAYOUT_IDS[:3])
-def test_rotary_embedding(triton_cpu: ModuleType, layout, dtype, poisoned_empty):
+def test_rotary_embedding(backend: ModuleType, layout, dtype, poisoned_empty):
     num_heads, num_kv_heads, head_dim, _ = layout
     scaling = {
         "rope_type": "llama3",
@@ -348,7 +408,7 @@ def test_rotary_embedding(triton_cpu: ModuleType, layout, dtype, poisoned_empty)
     positions = torch.tensor([0, 1, 15, 16, 17, 300, 8191, 16383])
     query = torch.randn(len(positions), num_heads, head_dim, generator=g).to(dtype)
     key = torch.randn(len(positions), num_kv_heads, head_dim, generator=g).to(dtype)
-    q, k = triton_cpu.rotary_embedding(positions, query, key, cache)
+    q, k = backend.rotary_embedding(positions, query, key, cache)
     eq, ek = ref.rotary_embedding(positions, query, key, cache)
     torch.testing.assert_close(q, eq, **_tol(dtype))
     torch.testing.assert_close(k, ek, **_tol(dtype))
@@ -356,9 +416,9 @@ def test_rotary_embedding(triton_cpu: ModuleType, layout, dtype, poisoned_empty)
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("intermediate_size", [1536, 100, 3000])
-def test_silu_and_mul(triton_cpu: ModuleType, intermediate_size: int, dtype, poisoned_empty):
+def test_silu_and_mul(backend: ModuleType, intermediate_size: int, dtype, poisoned_empty):
     x = (torch.randn(6, 2 * intermediate_size, generator=torch.Generator().manual_seed(34)) * 4).to(dtype)
-    out = triton_cpu.silu_and_mul(x)
+    out = backend.silu_and_mul(x)
     torch.testing.assert_close(out, ref.silu_and_mul(x), **_tol(dtype))
 
 
@@ -575,16 +635,19 @@ def _greedy_tokens(model_dir: str, backend: str, prompts: list[str]) -> list[lis
     return tokens
 
 
-def test_engine_greedy_tokens_equal_with_triton_and_torch_backends(
-    triton_cpu: ModuleType, tiny_llama_dir: str
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+def test_engine_greedy_tokens_equal_with_each_backend_and_torch(
+    name: str, request: pytest.FixtureRequest, tiny_llama_dir: str
 ):
     """The same random 2-layer Llama through the engine (chunked prefill, mixed steps, decodes) with
-    the Triton kernels (interpreted) and with the torch references: identical greedy tokens."""
+    the C++ CPU kernels or the Triton kernels (interpreted) and with the torch references: identical
+    greedy tokens."""
     from conveyor.kernels import load_backend
 
-    assert load_backend("triton") is triton_cpu  # the engine will pick up the interpreted kernels
+    kernels = request.getfixturevalue("cpu_kernels" if name == "cpu" else "triton_cpu")
+    assert load_backend(name) is kernels  # the engine will pick up these kernels
     prompts = ["Hello", "The capital of France is", "def fibonacci(n): return n if n < 2 else"]
     torch_tokens = _greedy_tokens(tiny_llama_dir, "torch", prompts)
-    triton_tokens = _greedy_tokens(tiny_llama_dir, "triton", prompts)
+    tokens = _greedy_tokens(tiny_llama_dir, name, prompts)
     assert [len(t) for t in torch_tokens] == [12, 12, 12]
-    assert triton_tokens == torch_tokens
+    assert tokens == torch_tokens

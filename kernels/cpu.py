@@ -1,0 +1,172 @@
+"""C++ kernels for CPUs: the `cpu` backend, with the signatures of `conveyor.kernels.reference`.
+
+The reference is many small torch ops per kernel; at decode batch sizes each costs microseconds of
+dispatch plus an intermediate tensor, and its paged decode attention copies every sequence's K and V
+before reading them. `csrc/cpu_kernels.cpp` does each kernel in one pass: RMSNorm (with the residual
+add fused), rotary embedding, SiLU-and-mul, the KV cache write, and paged decode attention that reads
+K/V straight from the blocks with float32 scores and softmax (as vLLM's CPU and CUDA paged-attention
+kernels). Rows of prefill and chunked-prefill sequences go through the reference's
+`prefill_attention` (torch's flash-attention kernel for CPU).
+
+The library is compiled with the machine's C++ compiler the first time it is needed (about 30 s,
+`torch.utils.cpp_extension`, `-O3 -march=native`) and cached under `TORCH_EXTENSIONS_DIR`
+(default `~/.cache/torch_extensions`); later starts load the cached build in well under a second.
+Results match the reference to the dtype's rounding: intermediates are rounded to the tensor dtype
+where the reference rounds them, and the attention accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from conveyor.kernels.reference import prefill_attention
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+EXTENSION_NAME = "conveyor_cpu_kernels"
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+class CPUKernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded (no C++ compiler, no ninja, a compiler error)."""
+
+
+_lock = threading.Lock()
+_loaded = False
+_error: CPUKernelBuildError | None = None
+
+
+def load_library() -> None:
+    """Compile (first time on a machine) and load the kernels; idempotent and thread-safe.
+
+    Raises CPUKernelBuildError with the compiler's message when the build fails (also on later calls,
+    without retrying).
+    """
+    global _loaded, _error
+    with _lock:
+        if _loaded:
+            return
+        if _error is not None:
+            raise _error
+        from torch.utils import cpp_extension
+
+        # The `ninja` wheel puts its binary next to this interpreter, which need not be on PATH.
+        scripts = sysconfig.get_path("scripts")
+        if shutil.which("ninja") is None and os.path.exists(os.path.join(scripts, "ninja")):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+        logger.info("loading the C++ CPU kernels (compiled on first use on a machine, about 30 s)")
+        start = time.perf_counter()
+        try:
+            cpp_extension.load(
+                name=EXTENSION_NAME,
+                sources=[str(SOURCE)],
+                extra_cflags=list(COMPILE_FLAGS),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+        except (RuntimeError, OSError, ImportError) as exc:
+            _error = CPUKernelBuildError(f"building the C++ CPU kernels ({SOURCE.name}) failed: {exc}")
+            raise _error from exc
+        logger.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
+        _loaded = True
+
+
+def is_available() -> bool:
+    """True when the kernels are built and loaded (builds them on first call); logs why not otherwise."""
+    try:
+        load_library()
+    except CPUKernelBuildError as exc:
+        logger.warning("%s; using the torch reference kernels on CPU", exc)
+        return False
+    return True
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """See `conveyor.kernels.reference.reshape_and_cache`. Raises RuntimeError for a slot past the cache."""
+    torch.ops.conveyor_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """See `conveyor.kernels.reference.paged_attention`: same arguments, layouts and result.
+
+    Decode rows (one query token) use the C++ kernel; a step of decodes only needs no host sync.
+    """
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if max_query_len == 1:
+        torch.ops.conveyor_cpu.paged_decode_attention(
+            out, query, key_cache, value_cache, block_tables, seq_lens, None, None, scale
+        )
+        return out
+    starts = query_start_loc[:-1]
+    q_lens = query_start_loc[1:] - starts
+    decode = (q_lens == 1).nonzero().flatten()
+    if decode.numel():
+        torch.ops.conveyor_cpu.paged_decode_attention(
+            out, query, key_cache, value_cache, block_tables, seq_lens, decode, starts[decode], scale
+        )
+    prefill_attention(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        q_lens.tolist(),
+        starts.tolist(),
+        seq_lens.tolist(),
+        scale,
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See `conveyor.kernels.reference.rms_norm`."""
+    return torch.ops.conveyor_cpu.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `conveyor.kernels.reference.fused_add_rms_norm`."""
+    return torch.ops.conveyor_cpu.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `conveyor.kernels.reference.rotary_embedding`. Raises RuntimeError for a position outside
+    the table."""
+    return torch.ops.conveyor_cpu.rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """See `conveyor.kernels.reference.silu_and_mul`."""
+    return torch.ops.conveyor_cpu.silu_and_mul(x)

@@ -1,0 +1,598 @@
+// CPU kernels for the model's hot paths: the `cpu` backend (conveyor.kernels.cpu), with the signatures and
+// layouts of conveyor.kernels.reference (vLLM's).
+//
+// Why they exist: at decode batch sizes each torch op of the reference costs microseconds of dispatch and
+// allocates its own intermediate, and the paged decode attention copies every sequence's K and V before
+// reading them. Here each kernel is one pass over its data. Arithmetic is float32 and results are rounded
+// to the tensor dtype at the same points as the reference, so both backends agree to the dtype's rounding.
+//
+// Layouts: packed tokens `[num_tokens, ...]`; KV cache of one layer `[num_blocks, block_size, num_kv_heads,
+// head_dim]` contiguous; `slot = block_id * block_size + offset`; block_tables `[num_seqs, max_blocks]`
+// int32; seq_lens `[num_seqs]` int32 (context length including this step's token).
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using at::Tensor;
+
+// Rows per at::parallel_for task: small batches stay on the calling thread.
+constexpr int64_t kRowGrain = 16;
+constexpr int64_t kPrefetchBlocks = 2;  // KV blocks fetched ahead of the one being computed
+
+template <typename T>
+inline float load(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+// The value a float32 result has after a round trip through T (the reference's intermediate rounding).
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+#if defined(__AVX512F__)
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    // bfloat16 is the high half of a float32: widen to 32 bits and shift left by 16.
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+  for (; i < n; ++i) {
+    dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) {
+    y[i] += alpha * x[i];
+  }
+}
+
+// exp(x) for 16 floats: 2^(x log2 e) split into 2^n * 2^f with f in [-0.5, 0.5], 2^f by its degree-6
+// Taylor polynomial (relative error < 2e-7); x is clamped to [-87, 88], where float32 exp is finite.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void store16(float* p, __m512 x) {
+  _mm512_storeu_ps(p, x);
+}
+
+// x rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as c10::BFloat16's conversion does,
+// still held as float32.
+inline __m512 round_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                                           _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000)));
+}
+
+inline void store16(c10::BFloat16* p, __m512 x) {
+  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+}
+
+template <typename T>
+inline __m512 round_to16(__m512 x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return round_bf16(x);
+  } else {
+    return x;
+  }
+}
+
+template <typename T>
+constexpr bool kVectorized = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+inline void softmax(float* s, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+  }
+  float max_score = _mm512_reduce_max_ps(vmax);
+  for (; i < n; ++i) {
+    max_score = std::max(max_score, s[i]);
+  }
+  const __m512 m = _mm512_set1_ps(max_score);
+  __m512 vsum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+    _mm512_storeu_ps(s + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max_score);
+    sum += s[i];
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (i = 0; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  }
+  for (; i < n; ++i) {
+    s[i] /= sum;
+  }
+}
+#else
+template <typename T>
+constexpr bool kVectorized = false;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    y[i] += alpha * x[i];
+  }
+}
+
+inline void softmax(float* s, int64_t n) {
+  const float max_score = *std::max_element(s, s + n);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - max_score);
+    sum += s[i];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] /= sum;
+  }
+}
+#endif
+
+template <typename T>
+inline void prefetch(const T* p, int64_t num_elements) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  const int64_t size = num_elements * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < size; off += 64) {
+    __builtin_prefetch(bytes + off);
+  }
+}
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (the cpu kernel backend)");
+}
+
+void check_rows(const Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [num_tokens, hidden] with unit stride in hidden");
+}
+
+void check_heads(const Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name,
+              " must be [num_tokens, num_heads, head_dim] with unit stride in head_dim");
+}
+
+// ---------------------------------------------------------------------------------------------- norms
+
+// out[t] = weight * T(x[t] * rsqrt(mean(x[t]^2) + eps)), as reference.rms_norm rounds it.
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_t num_tokens, int64_t hidden,
+                   double eps) {
+  at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = x + t * x_stride;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float v = load(row, i);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
+      T* dst = out + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i) {
+        dst[i] = static_cast<T>(load(weight, i) * round_to<T>(load(row, i) * inv));
+      }
+    }
+  });
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden_size] in x's dtype");
+  const Tensor w = weight.contiguous();
+  Tensor out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+  });
+  return out;
+}
+
+// residual' = T(x + residual); returns (rms_norm(residual'), residual'), as reference.fused_add_rms_norm.
+std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                              double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must have the same shape and dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden_size] in x's dtype");
+  const Tensor w = weight.contiguous();
+  Tensor summed = at::empty(x.sizes(), x.options());
+  Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t num_tokens = x.size(0), hidden = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* sp = summed.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* xr = xp + t * x.stride(0);
+        const scalar_t* rr = rp + t * residual.stride(0);
+        scalar_t* dst = sp + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          dst[i] = static_cast<scalar_t>(load(xr, i) + load(rr, i));
+        }
+      }
+    });
+    rms_norm_rows<scalar_t>(sp, hidden, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), num_tokens, hidden,
+                            eps);
+  });
+  return {out, summed};
+}
+
+// ------------------------------------------------------------------------------------ rotary, SiLU-mul
+
+// GPT-NeoX layout: the first and second halves of each head are the rotated pairs.
+template <typename T>
+void rotate_heads(const Tensor& x, const Tensor& out, const int64_t* positions, const float* cos_sin,
+                  int64_t table_stride) {
+  const int64_t num_tokens = x.size(0), num_heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cos_sin + positions[t] * table_stride;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const T* src = xp + t * x.stride(0) + h * x.stride(1);
+        T* dst = op + (t * num_heads + h) * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load(src, i), x2 = load(src, i + half);
+          dst[i] = static_cast<T>(x1 * cos[i] - x2 * sin[i]);
+          dst[i + half] = static_cast<T>(x2 * cos[i] + x1 * sin[i]);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> rotary_embedding(const Tensor& positions, const Tensor& query, const Tensor& key,
+                                            const Tensor& cos_sin_cache) {
+  check_heads(query, "query");
+  check_heads(key, "key");
+  check_cpu(positions, "positions");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == query.size(0),
+              "positions must be [num_tokens] int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.size(1) == query.size(2) && query.size(2) % 2 == 0,
+              "cos_sin_cache must be [max_position, head_dim] float32");
+  const Tensor pos = positions.contiguous();
+  const Tensor table = cos_sin_cache.contiguous();
+  const int64_t max_position = table.size(0);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < pos.size(0); ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_position, "position ", pp[t], " is outside the rotary table of ",
+                max_position, " positions");
+  }
+  Tensor q_out = at::empty(query.sizes(), query.options());
+  Tensor k_out = at::empty(key.sizes(), key.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_embedding", [&] {
+    rotate_heads<scalar_t>(query, q_out, pp, table.data_ptr<float>(), table.size(1));
+    rotate_heads<scalar_t>(key, k_out, pp, table.data_ptr<float>(), table.size(1));
+  });
+  return {q_out, k_out};
+}
+
+// dst[i] = T(silu(gate[i])) * up[i] for i < n.
+template <typename T>
+void silu_and_mul_row(const T* gate, const T* up, T* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVectorized<T>) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 g = load16(gate + i);
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      store16(dst + i, _mm512_mul_ps(round_to16<T>(silu), load16(up + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float g = load(gate, i);
+    dst[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * load(up, i));
+  }
+}
+
+// out = T(silu(gate)) * up, as reference.silu_and_mul rounds it.
+Tensor silu_and_mul(const Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must be [num_tokens, 2 * intermediate_size]");
+  const int64_t num_tokens = x.size(0), inter = x.size(1) / 2;
+  Tensor out = at::empty({num_tokens, inter}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* gate = xp + t * x.stride(0);
+        const scalar_t* up = gate + inter;
+        scalar_t* dst = op + t * inter;
+        silu_and_mul_row(gate, up, dst, inter);
+      }
+    });
+  });
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------- KV cache
+
+void reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& slot_mapping) {
+  check_heads(key, "key");
+  check_heads(value, "value");
+  check_cpu(key_cache, "key_cache");
+  check_cpu(slot_mapping, "slot_mapping");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+              "key/value must have the caches' dtype");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3) &&
+                  value.sizes() == key.sizes() && value_cache.sizes() == key_cache.sizes(),
+              "key/value must be [num_tokens, num_kv_heads, head_dim] of the caches' shape");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be [num_tokens] int64");
+  const Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t num_kv_heads = key.size(1), head_dim = key.size(2), slot_size = num_kv_heads * head_dim;
+  for (int64_t t = 0; t < slots.size(0); ++t) {
+    TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " is outside the cache's ", num_slots, " slots");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "reshape_and_cache", [&] {
+    const size_t row_bytes = head_dim * sizeof(scalar_t);
+    for (const auto& [src, cache] : {std::pair{&key, &key_cache}, std::pair{&value, &value_cache}}) {
+      const scalar_t* s = src->data_ptr<scalar_t>();
+      scalar_t* c = cache->data_ptr<scalar_t>();
+      for (int64_t t = 0; t < slots.size(0); ++t) {
+        if (sp[t] < 0) {
+          continue;  // vLLM's padding convention: a negative slot is not written
+        }
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          std::memcpy(c + sp[t] * slot_size + h * head_dim, s + t * src->stride(0) + h * src->stride(1),
+                      row_bytes);
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------- decode attention
+
+// Each decode sequence walks its block table once for K and once for V: every slot (all KV heads) is
+// converted to float32 once and used by all query heads of its group, and the next blocks are prefetched
+// because blocks sit anywhere in the cache. Only positions below the sequence's length are read, so
+// never-written slots are never touched. Scores, softmax and the weighted sum of values are float32, as
+// in vLLM's CPU and CUDA paged-attention kernels.
+template <typename T>
+void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                      const Tensor& block_tables, const Tensor& seq_lens, const int64_t* ids, const int64_t* rows,
+                      int64_t num_decode, double scale) {
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t groups = num_heads / num_kv_heads;  // query heads per KV head
+  const int64_t slot_size = num_kv_heads * head_dim;
+  const int64_t block_elems = block_size * slot_size;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+
+  at::parallel_for(0, num_decode, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(num_heads * head_dim), acc(num_heads * head_dim), slot(slot_size), scores;
+    for (int64_t d = begin; d < end; ++d) {
+      const int64_t seq = ids ? ids[d] : d;
+      const int64_t row = rows ? rows[d] : d;
+      const int64_t len = lens[seq];
+      const int32_t* table = tables + seq * max_blocks;
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        to_float(q_ptr + row * query.stride(0) + h * query.stride(1), q.data() + h * head_dim, head_dim);
+        for (int64_t x = 0; x < head_dim; ++x) {
+          q[h * head_dim + x] *= static_cast<float>(scale);
+        }
+      }
+      scores.resize(num_heads * len);  // scores[h * len + t]
+      for (int64_t b = 0; b < std::min(kPrefetchBlocks, num_blocks); ++b) {
+        prefetch(k_ptr + table[b] * block_elems, block_elems);
+      }
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        if (b + kPrefetchBlocks < num_blocks) {
+          prefetch(k_ptr + table[b + kPrefetchBlocks] * block_elems, block_elems);
+        } else if (b + kPrefetchBlocks - num_blocks < num_blocks) {
+          prefetch(v_ptr + table[b + kPrefetchBlocks - num_blocks] * block_elems, block_elems);
+        }
+        const int64_t first = b * block_size;
+        const int64_t count = std::min(block_size, len - first);
+        const T* base = k_ptr + table[b] * block_elems;
+        for (int64_t i = 0; i < count; ++i) {
+          to_float(base + i * slot_size, slot.data(), slot_size);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            scores[h * len + first + i] = dot(q.data() + h * head_dim, slot.data() + (h / groups) * head_dim, head_dim);
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        softmax(scores.data() + h * len, len);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        if (b + kPrefetchBlocks < num_blocks) {
+          prefetch(v_ptr + table[b + kPrefetchBlocks] * block_elems, block_elems);
+        }
+        const int64_t first = b * block_size;
+        const int64_t count = std::min(block_size, len - first);
+        const T* base = v_ptr + table[b] * block_elems;
+        for (int64_t i = 0; i < count; ++i) {
+          to_float(base + i * slot_size, slot.data(), slot_size);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            axpy(scores[h * len + first + i], slot.data() + (h / groups) * head_dim, acc.data() + h * head_dim,
+                 head_dim);
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* dst = out_ptr + row * out.stride(0) + h * out.stride(1);
+        for (int64_t x = 0; x < head_dim; ++x) {
+          dst[x] = static_cast<T>(acc[h * head_dim + x]);
+        }
+      }
+    }
+  });
+}
+
+// Writes out[query_rows[i]] for decode sequence seq_ids[i]; without seq_ids/query_rows, every sequence is
+// a decode and sequence i's query is row i.
+void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                            const Tensor& block_tables, const Tensor& seq_lens,
+                            const std::optional<Tensor>& seq_ids, const std::optional<Tensor>& query_rows,
+                            double scale) {
+  check_heads(query, "query");
+  check_heads(out, "out");
+  check_cpu(key_cache, "key_cache");
+  check_cpu(block_tables, "block_tables");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "query, out and the KV caches must share a dtype");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
+              "num_heads must be a multiple of num_kv_heads and head_dim must match the caches");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(seq_ids.has_value() == query_rows.has_value(), "pass both seq_ids and query_rows, or neither");
+  const Tensor tables = block_tables.contiguous();
+  const Tensor lens = seq_lens.contiguous();
+  const int64_t num_seqs = lens.size(0);
+  Tensor ids, rows;
+  int64_t num_decode = num_seqs;
+  if (seq_ids.has_value()) {
+    ids = seq_ids->to(at::kLong).contiguous();
+    rows = query_rows->to(at::kLong).contiguous();
+    num_decode = ids.size(0);
+    TORCH_CHECK(rows.size(0) == num_decode, "seq_ids and query_rows must have the same length");
+  } else {
+    TORCH_CHECK(query.size(0) == num_seqs, "without seq_ids every sequence must have exactly one query row");
+  }
+  const int64_t* id_ptr = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+  const int64_t* row_ptr = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int64_t capacity = tables.size(1) * key_cache.size(1);
+  for (int64_t d = 0; d < num_decode; ++d) {
+    const int64_t seq = id_ptr ? id_ptr[d] : d;
+    const int64_t row = row_ptr ? row_ptr[d] : d;
+    TORCH_CHECK(seq >= 0 && seq < num_seqs && row >= 0 && row < query.size(0), "decode sequence ", d,
+                " is out of range");
+    TORCH_CHECK(lp[seq] >= 1 && lp[seq] <= capacity, "seq_lens[", seq, "] = ", lp[seq],
+                " does not fit its block table of ", capacity, " slots");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention<scalar_t>(out, query, key_cache, value_cache, tables, lens, id_ptr, row_ptr, num_decode,
+                               scale);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(conveyor_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+        &fused_add_rms_norm);
+  m.def("rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache) -> (Tensor, Tensor)",
+        &rotary_embedding);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()",
+      &reshape_and_cache);
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor? seq_ids, Tensor? query_rows, float scale) -> ()",
+      &paged_decode_attention);
+}
