@@ -1,4 +1,5 @@
-"""Plain-torch kernels: the contract every Triton kernel in `conveyor.kernels.triton` matches, and the CPU path.
+"""Plain-torch kernels: the contract the C++ (`conveyor.kernels.cpu`) and Triton (`conveyor.kernels.triton`)
+kernels match, and the CPU path where the C++ kernels cannot be built.
 
 Layouts follow vLLM's so that kernels, model code and the block manager agree:
 
