@@ -28,7 +28,7 @@ BACKENDS = {
 
 def default_backend(device_type: str) -> str:
     """`triton` on CUDA; on CPU `cpu` when its C++ kernels build here (first call compiles them, about
-    30 s once per machine), else `torch` (the reason is logged)."""
+    15 s once per machine), else `torch` (the reason is logged)."""
     if device_type == "cuda":
         return "triton"
     from conveyor.kernels import cpu

@@ -107,26 +107,23 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 load16(const float* p) {
-  return _mm512_loadu_ps(p);
-}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-inline void store16(float* p, __m512 x) {
-  _mm512_storeu_ps(p, x);
-}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 
 // x rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as c10::BFloat16's conversion does,
 // still held as float32.
 inline __m512 round_bf16(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
-                                           _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m512i rounded =
+      _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                       _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000)));
 }
@@ -224,7 +221,8 @@ void check_cpu(const Tensor& t, const char* name) {
 
 void check_rows(const Tensor& t, const char* name) {
   check_cpu(t, name);
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [num_tokens, hidden] with unit stride in hidden");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name,
+              " must be [num_tokens, hidden] with unit stride in hidden");
 }
 
 void check_heads(const Tensor& t, const char* name) {
@@ -334,8 +332,9 @@ std::tuple<Tensor, Tensor> rotary_embedding(const Tensor& positions, const Tenso
   check_heads(query, "query");
   check_heads(key, "key");
   check_cpu(positions, "positions");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == query.size(0),
-              "positions must be [num_tokens] int64");
+  TORCH_CHECK(
+      positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == query.size(0),
+      "positions must be [num_tokens] int64");
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
                   cos_sin_cache.size(1) == query.size(2) && query.size(2) % 2 == 0,
               "cos_sin_cache must be [max_position, head_dim] float32");
@@ -399,15 +398,16 @@ Tensor silu_and_mul(const Tensor& x) {
 
 // ----------------------------------------------------------------------------------------- KV cache
 
-void reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& key_cache, const Tensor& value_cache,
-                       const Tensor& slot_mapping) {
+void reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& key_cache,
+                       const Tensor& value_cache, const Tensor& slot_mapping) {
   check_heads(key, "key");
   check_heads(value, "value");
   check_cpu(key_cache, "key_cache");
   check_cpu(slot_mapping, "slot_mapping");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
-              "key/value must have the caches' dtype");
+  TORCH_CHECK(
+      key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+      "key/value must have the caches' dtype");
   TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3) &&
                   value.sizes() == key.sizes() && value_cache.sizes() == key_cache.sizes(),
               "key/value must be [num_tokens, num_kv_heads, head_dim] of the caches' shape");
@@ -447,9 +447,9 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& key
 // never-written slots are never touched. Scores, softmax and the weighted sum of values are float32, as
 // in vLLM's CPU and CUDA paged-attention kernels.
 template <typename T>
-void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                      const Tensor& block_tables, const Tensor& seq_lens, const int64_t* ids, const int64_t* rows,
-                      int64_t num_decode, double scale) {
+void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                      const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
+                      const int64_t* ids, const int64_t* rows, int64_t num_decode, double scale) {
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1);
@@ -495,7 +495,8 @@ void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_
         for (int64_t i = 0; i < count; ++i) {
           to_float(base + i * slot_size, slot.data(), slot_size);
           for (int64_t h = 0; h < num_heads; ++h) {
-            scores[h * len + first + i] = dot(q.data() + h * head_dim, slot.data() + (h / groups) * head_dim, head_dim);
+            scores[h * len + first + i] =
+                dot(q.data() + h * head_dim, slot.data() + (h / groups) * head_dim, head_dim);
           }
         }
       }
@@ -513,8 +514,8 @@ void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_
         for (int64_t i = 0; i < count; ++i) {
           to_float(base + i * slot_size, slot.data(), slot_size);
           for (int64_t h = 0; h < num_heads; ++h) {
-            axpy(scores[h * len + first + i], slot.data() + (h / groups) * head_dim, acc.data() + h * head_dim,
-                 head_dim);
+            axpy(scores[h * len + first + i], slot.data() + (h / groups) * head_dim,
+                 acc.data() + h * head_dim, head_dim);
           }
         }
       }
@@ -530,8 +531,8 @@ void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_
 
 // Writes out[query_rows[i]] for decode sequence seq_ids[i]; without seq_ids/query_rows, every sequence is
 // a decode and sequence i's query is row i.
-void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                            const Tensor& block_tables, const Tensor& seq_lens,
+void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                            const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                             const std::optional<Tensor>& seq_ids, const std::optional<Tensor>& query_rows,
                             double scale) {
   check_heads(query, "query");
@@ -572,10 +573,11 @@ void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor
     TORCH_CHECK(lp[seq] >= 1 && lp[seq] <= capacity, "seq_lens[", seq, "] = ", lp[seq],
                 " does not fit its block table of ", capacity, " slots");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(out, query, key_cache, value_cache, tables, lens, id_ptr, row_ptr, num_decode,
-                               scale);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention",
+                                  [&] {
+                                    decode_attention<scalar_t>(out, query, key_cache, value_cache, tables,
+                                                               lens, id_ptr, row_ptr, num_decode, scale);
+                                  });
 }
 
 }  // namespace
@@ -584,8 +586,10 @@ TORCH_LIBRARY(conveyor_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &fused_add_rms_norm);
-  m.def("rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache) -> (Tensor, Tensor)",
-        &rotary_embedding);
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache) -> (Tensor, "
+      "Tensor)",
+      &rotary_embedding);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
