@@ -17,9 +17,12 @@ where the reference rounds them, and the attention accumulates in float32.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import shutil
+import subprocess
 import sysconfig
 import threading
 import time
@@ -45,17 +48,47 @@ _loaded = False
 _error: CPUKernelBuildError | None = None
 
 
+def _build_name() -> str:
+    """The extension's name, one per CPU type: `-march=native` code built on one CPU may not run on
+    another, so a `~/.cache` shared by different machines keeps one build for each."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), flags)
+    except OSError:
+        pass
+    return f"{EXTENSION_NAME}_{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
+
+
+def _build_failure(exc: BaseException) -> str:
+    """The compiler's own words from a failed build. ninja echoes each compiler command (after `[i/n]`,
+    and again after `FAILED: target`); the message is what follows the failed command's echo."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    failed = [i for i, line in enumerate(lines) if line.startswith("FAILED:")]
+    if failed:
+        lines = lines[failed[-1] + 2 :]
+    lines = [line for line in lines if not line.startswith("[")]
+    return " | ".join(lines[-6:])
+
+
 def load_library() -> None:
     """Compile (first time on a machine) and load the kernels; idempotent and thread-safe.
 
-    Raises CPUKernelBuildError with the compiler's message when the build fails (also on later calls,
-    without retrying).
+    Raises CPUKernelBuildError naming the cause (no C++ compiler, the compiler's message) when the
+    build fails, also on later calls, without retrying.
     """
     global _loaded, _error
     with _lock:
         if _loaded:
             return
         if _error is not None:
+            raise _error
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            _error = CPUKernelBuildError(
+                f"no C++ compiler to build the CPU kernels: {compiler!r} is not on PATH "
+                "(install g++, or set CXX)"
+            )
             raise _error
         from torch.utils import cpp_extension
 
@@ -67,15 +100,17 @@ def load_library() -> None:
         start = time.perf_counter()
         try:
             cpp_extension.load(
-                name=EXTENSION_NAME,
+                name=_build_name(),
                 sources=[str(SOURCE)],
                 extra_cflags=list(COMPILE_FLAGS),
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
             )
-        except (RuntimeError, OSError, ImportError) as exc:
-            _error = CPUKernelBuildError(f"building the C++ CPU kernels ({SOURCE.name}) failed: {exc}")
+        except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
+            _error = CPUKernelBuildError(
+                f"building the C++ CPU kernels ({SOURCE.name}) failed: {_build_failure(exc)}"
+            )
             raise _error from exc
         logger.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
         _loaded = True

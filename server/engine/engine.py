@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from conveyor.kernels import default_backend, load_backend
+from conveyor.kernels.cpu import CPUKernelBuildError
 from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB
 from conveyor.server.engine.detokenizer import IncrementalDetokenizer
@@ -125,7 +126,10 @@ class LLMEngine:
         if backend == "cpu" and device_type != "cpu":
             raise ValueError("--attention-backend cpu runs on CPU tensors; use triton or torch on CUDA")
         logger.info("device %s, dtype %s, kernel backend %s", self.device, self.dtype, backend)
-        ops = load_backend(backend)
+        try:
+            ops = load_backend(backend)
+        except CPUKernelBuildError as exc:
+            raise ValueError(f"--attention-backend cpu: {exc}; or use --attention-backend torch") from exc
         self.tokenizer = loader.load_tokenizer(source)
         self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops)
         shape = self.model.shape

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
 from types import ModuleType
 
@@ -298,28 +299,83 @@ def test_cpu_kernels_reject_bad_input_with_a_message(cpu_kernels: ModuleType):
     assert key_cache.isnan().all()  # nothing was written
 
 
-def test_cpu_backend_without_a_compiler_falls_back_to_torch(tmp_path):
-    """A machine whose C++ compiler is missing: `auto` picks the torch kernels and logs why; asking for
-    `cpu` by name raises CPUKernelBuildError with the build's message, on every call."""
-    import subprocess
-
-    code = (
-        "import logging\n"
-        "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(message)s')\n"
-        "from conveyor.kernels import cpu, default_backend, load_backend\n"
-        "print('default', default_backend('cpu'))\n"
-        "for _ in range(2):\n"
-        "    try:\n"
-        "        load_backend('cpu')\n"
-        "    except cpu.CPUKernelBuildError as exc:\n"
-        "        print('error', type(exc).__name__)\n"
+def _run_fresh(code: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Python `code` (lines) in a fresh interpreter with `env` added to this one's environment."""
+    return subprocess.run(
+        [sys.executable, "-c", "\n".join(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
     )
-    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+_PICK_BACKEND = [
+    "import logging",
+    "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(message)s')",
+    "from conveyor.kernels import cpu, default_backend, load_backend",
+    "print('default', default_backend('cpu'))",
+    "for _ in range(2):",
+    "    try:",
+    "        load_backend('cpu')",
+    "    except cpu.CPUKernelBuildError as exc:",
+    "        print('error', exc)",
+]
+
+
+def test_cpu_backend_without_a_compiler_falls_back_to_torch(tmp_path):
+    """A machine without a C++ compiler: `auto` picks the torch kernels and logs why; asking for `cpu`
+    by name raises CPUKernelBuildError naming the missing compiler, on every call."""
+    missing = str(tmp_path / "no-such-compiler")
+    proc = _run_fresh(_PICK_BACKEND, {"CXX": missing, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["default torch", "error CPUKernelBuildError", "error CPUKernelBuildError"]
-    assert "building the C++ CPU kernels (cpu_kernels.cpp) failed" in proc.stderr
-    assert "using the torch reference kernels on CPU" in proc.stderr
+    reason = f"no C++ compiler to build the CPU kernels: {missing!r} is not on PATH (install g++, or set CXX)"
+    assert proc.stdout.splitlines() == ["default torch", f"error {reason}", f"error {reason}"]
+    assert f"WARNING {reason}; using the torch reference kernels on CPU" in proc.stderr
+
+
+def test_cpu_backend_build_failure_names_the_compiler_message(tmp_path):
+    """A compiler that fails: the error carries its message, not the compiler command lines."""
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --version ]; then echo "g++ (Debian 12.2.0-14) 12.2.0"; exit 0; fi\n'
+        "echo 'fatal error: no space left on device' >&2\nexit 1\n"
+    )
+    compiler.chmod(0o755)
+    proc = _run_fresh(_PICK_BACKEND, {"CXX": str(compiler), "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "default torch"
+    assert lines[1].startswith("error building the C++ CPU kernels (cpu_kernels.cpp) failed: ")
+    assert "fatal error: no space left on device" in lines[1]
+    assert str(compiler) not in lines[1]  # ninja's echo of the full compiler command is left out
+
+
+def test_cpu_backend_compiler_that_cannot_even_say_its_version_falls_back(tmp_path):
+    """torch asks the compiler for `--version` first; a failure there is a build failure too."""
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text("#!/bin/sh\nexit 3\n")
+    compiler.chmod(0o755)
+    proc = _run_fresh(_PICK_BACKEND, {"CXX": str(compiler), "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "default torch"
+    assert lines[1].startswith("error building the C++ CPU kernels (cpu_kernels.cpp) failed: ")
+
+
+def test_serve_asking_for_cpu_kernels_without_a_compiler_exits_with_one_line(tmp_path):
+    env = {"CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    code = [
+        "import sys",
+        "from conveyor.server.cli import main",
+        "sys.exit(main(['serve', '--attention-backend', 'cpu', '--port', '1']))",
+    ]
+    proc = _run_fresh(code, env)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "conveyor serve: --attention-backend cpu: no C++ compiler to build the CPU kernels" in proc.stderr
+    assert proc.stderr.rstrip().endswith("or use --attention-backend torch")
 
 
 @pytest.mark.slow
