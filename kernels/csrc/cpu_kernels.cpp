@@ -53,19 +53,6 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-template <>
-inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    // bfloat16 is the high half of a float32: widen to 32 bits and shift left by 16.
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-  }
-  for (; i < n; ++i) {
-    dst[i] = static_cast<float>(src[i]);
-  }
-}
-
 inline float dot(const float* a, const float* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
@@ -112,6 +99,17 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, load16(src + i));
+  }
+  for (; i < n; ++i) {
+    dst[i] = static_cast<float>(src[i]);
+  }
 }
 
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
@@ -176,9 +174,6 @@ inline void softmax(float* s, int64_t n) {
   }
 }
 #else
-template <typename T>
-constexpr bool kVectorized = false;
-
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) {

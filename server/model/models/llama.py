@@ -3,7 +3,8 @@
 One forward pass runs every token of the step at once: `[num_tokens, hidden_size]`, no batch axis, no
 padding. Attention, norms, rotary embedding and the MLP gate call the kernel backend
 (`conveyor.kernels.load_backend`), so the same model runs the C++ kernels (or the torch references) on
-CPU and the Triton kernels on CUDA. Projections are fused as in vLLM (q/k/v into one matmul, gate/up into one).
+CPU and the Triton kernels on CUDA. Projections are fused as in vLLM (q/k/v into one matmul, gate/up
+into one).
 """
 
 from __future__ import annotations
