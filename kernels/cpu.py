@@ -86,7 +86,7 @@ def load_library() -> None:
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
             _error = CPUKernelBuildError(
-                f"no C++ compiler to build the CPU kernels: {compiler!r} is not on PATH "
+                f"no C++ compiler to build the CPU kernels: {compiler!r} was not found "
                 "(install g++, or set CXX)"
             )
             raise _error

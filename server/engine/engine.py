@@ -125,11 +125,11 @@ class LLMEngine:
             )
         if backend == "cpu" and device_type != "cpu":
             raise ValueError("--attention-backend cpu runs on CPU tensors; use triton or torch on CUDA")
-        logger.info("device %s, dtype %s, kernel backend %s", self.device, self.dtype, backend)
         try:
             ops = load_backend(backend)
         except CPUKernelBuildError as exc:
             raise ValueError(f"--attention-backend cpu: {exc}; or use --attention-backend torch") from exc
+        logger.info("device %s, dtype %s, kernel backend %s", self.device, self.dtype, backend)
         self.tokenizer = loader.load_tokenizer(source)
         self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops)
         shape = self.model.shape

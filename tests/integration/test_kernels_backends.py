@@ -329,7 +329,7 @@ def test_cpu_backend_without_a_compiler_falls_back_to_torch(tmp_path):
     missing = str(tmp_path / "no-such-compiler")
     proc = _run_fresh(_PICK_BACKEND, {"CXX": missing, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
-    reason = f"no C++ compiler to build the CPU kernels: {missing!r} is not on PATH (install g++, or set CXX)"
+    reason = f"no C++ compiler to build the CPU kernels: {missing!r} was not found (install g++, or set CXX)"
     assert proc.stdout.splitlines() == ["default torch", f"error {reason}", f"error {reason}"]
     assert f"WARNING {reason}; using the torch reference kernels on CPU" in proc.stderr
 
@@ -374,6 +374,7 @@ def test_serve_asking_for_cpu_kernels_without_a_compiler_exits_with_one_line(tmp
     proc = _run_fresh(code, env)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
+    assert "kernel backend" not in proc.stderr  # the refused backend is never announced
     assert "conveyor serve: --attention-backend cpu: no C++ compiler to build the CPU kernels" in proc.stderr
     assert proc.stderr.rstrip().endswith("or use --attention-backend torch")
 
