@@ -7,6 +7,7 @@ unknown name without overrides is an error (`UnknownGPUTypeError`, `UnknownModel
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 MiB = 2**20
@@ -37,10 +38,12 @@ class UnknownModelError(LookupError):
     def __init__(self, model_name: str, missing: list[str]) -> None:
         self.model_name = model_name
         self.missing = missing
-        super().__init__(
-            f"unknown model {model_name!r}: set model.{', model.'.join(missing)} in the spec "
-            f"or use a known model ({', '.join(sorted(MODELS))})"
-        )
+        known = ", ".join(sorted(MODELS))
+        if missing:
+            message = f"unknown model {model_name!r}: set model.{', model.'.join(missing)} in the spec or use a known model ({known})"
+        else:
+            message = f"unknown model {model_name!r}; known models: {known}"
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -97,20 +100,149 @@ GPU_ALIASES: dict[str, str] = {
     "t4-16gb": "t4",
 }
 
-# Shapes from each model's config.json on the Hugging Face hub; parameter counts from its safetensors
-# index (embeddings included, since they occupy GPU memory too).
-MODELS: dict[str, ModelShape] = {
-    m.name: m
-    for m in (
-        ModelShape("llama-3-8b", 32, 8, 128, 8_030_261_248, 8192),
-        ModelShape("llama-3.1-8b", 32, 8, 128, 8_030_261_248, 131072),
-        ModelShape("llama-3-70b", 80, 8, 128, 70_553_706_496, 8192),
-        ModelShape("llama-3.1-70b", 80, 8, 128, 70_553_706_496, 131072),
-        ModelShape("mistral-7b", 32, 8, 128, 7_241_732_096, 32768),
-        ModelShape("qwen2.5-7b", 28, 4, 128, 7_615_616_512, 32768),
-        ModelShape("smollm2-135m", 30, 3, 64, 134_515_008, 8192),
-    )
+# The architecture fields of each model's config.json on the Hugging Face hub (the base model's
+# release; the -Instruct variants share them). `hf_config` writes them out so the server can run the
+# shape with random weights (`--load-format dummy`); the KV shape below is derived from them.
+_LLAMA_3 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
 }
+_LLAMA_3_1_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+_LLAMA_3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32}
+_LLAMA_3_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80}
+HF_CONFIGS: dict[str, dict] = {
+    "llama-3-8b": {
+        **_LLAMA_3,
+        **_LLAMA_3_8B,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+    },
+    "llama-3.1-8b": {
+        **_LLAMA_3,
+        **_LLAMA_3_8B,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rope_scaling": _LLAMA_3_1_ROPE,
+    },
+    "llama-3-70b": {
+        **_LLAMA_3,
+        **_LLAMA_3_70B,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+    },
+    "llama-3.1-70b": {
+        **_LLAMA_3,
+        **_LLAMA_3_70B,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rope_scaling": _LLAMA_3_1_ROPE,
+    },
+    "mistral-7b": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 131072,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+# Parameter counts from each model's safetensors index (embeddings included, since they occupy GPU
+# memory too); a test checks that the configs above give exactly these counts.
+NUM_PARAMS: dict[str, int] = {
+    "llama-3-8b": 8_030_261_248,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3-70b": 70_553_706_496,
+    "llama-3.1-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096,
+    "qwen2.5-7b": 7_615_616_512,
+    "smollm2-135m": 134_515_008,
+}
+
+
+def _shape_from_hf_config(name: str, config: dict) -> ModelShape:
+    heads = config["num_attention_heads"]
+    return ModelShape(
+        name=name,
+        num_layers=config["num_hidden_layers"],
+        num_kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim", config["hidden_size"] // heads),
+        num_params=NUM_PARAMS[name],
+        max_position_embeddings=config["max_position_embeddings"],
+    )
+
+
+MODELS: dict[str, ModelShape] = {name: _shape_from_hf_config(name, cfg) for name, cfg in HF_CONFIGS.items()}
 
 MODEL_ALIASES: dict[str, str] = {
     "llama3-8b": "llama-3-8b",
@@ -144,6 +276,15 @@ def lookup_gpu(gpu_type: str) -> GPUType:
         return GPUS[key]
     except KeyError:
         raise UnknownGPUTypeError(gpu_type) from None
+
+
+def hf_config(name: str) -> dict:
+    """The config.json fields of a catalog model (a copy), for a weights-free model directory that
+    `conveyor serve --load-format dummy` runs. Raises UnknownModelError for a model not in the catalog."""
+    key = normalize_model_name(name)
+    if key not in HF_CONFIGS:
+        raise UnknownModelError(name, [])
+    return json.loads(json.dumps(HF_CONFIGS[key]))
 
 
 def lookup_model(name: str) -> ModelShape | None:

@@ -12,6 +12,7 @@ import json
 import re
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -21,6 +22,7 @@ from conveyor.operator.catalog import (
     ModelShape,
     UnknownGPUTypeError,
     UnknownModelError,
+    hf_config,
     lookup_gpu,
     resolve_model_shape,
 )
@@ -211,6 +213,18 @@ def _plan_json(plan: SpecPlan) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
+def _write_config(model: str, directory: Path) -> int:
+    try:
+        config = hf_config(model)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    except (UnknownModelError, OSError) as exc:
+        print(f"conveyor plan: error: {exc}", file=sys.stderr)
+        return 1
+    print(directory / "config.json")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """`conveyor plan`: print the KV-capacity plan of one replica. Exit status 1 when it cannot fit."""
     parser = argparse.ArgumentParser(
@@ -218,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Print the KV-capacity plan (max_num_seqs) of one replica of a model on some GPUs.",
     )
     parser.add_argument("--model", required=True, help="catalog model name or hub id (llama-3-8b)")
-    parser.add_argument("--gpu", required=True, help="catalog GPU type (a100-80gb, h100-80gb, l4, ...)")
-    parser.add_argument("--max-model-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--gpu", help="catalog GPU type (a100-80gb, h100-80gb, l4, ...)")
+    parser.add_argument("--max-model-len", type=int, help="tokens per sequence")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     parser.add_argument("--gpus", type=int, default=1, help="GPUs per replica")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: --gpus")
@@ -231,7 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=None, help="override: head dimension")
     parser.add_argument("--params", type=int, default=None, help="override: parameter count")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--write-config",
+        metavar="DIR",
+        help="write the catalog model's config.json into DIR (a weights-free model directory for "
+        "`conveyor serve DIR --load-format dummy`) instead of planning",
+    )
     args = parser.parse_args(argv)
+    if args.write_config:
+        return _write_config(args.model, Path(args.write_config))
+    if args.gpu is None or args.max_model_len is None:
+        parser.error("--gpu and --max-model-len are required (unless --write-config)")
     try:
         spec = InferenceServiceSpec.model_validate(
             {

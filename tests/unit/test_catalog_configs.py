@@ -1,0 +1,60 @@
+"""The catalog's config.json fields describe the models it names, and `conveyor plan --write-config`
+writes them out as a weights-free model directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conveyor.operator import catalog, plan
+from conveyor.server.model import loader
+from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
+
+
+@pytest.mark.parametrize("name", sorted(catalog.HF_CONFIGS))
+def test_config_gives_the_catalog_parameter_count(name, tmp_path):
+    # Build our model of the written config on the meta device: its parameter count must be the one
+    # the safetensors index gives, so a wrong hidden, intermediate or vocab size cannot pass.
+    assert plan.main(["--model", name, "--write-config", str(tmp_path)]) == 0
+    config = loader.load_config(loader.resolve_model(str(tmp_path)))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ModelShape.from_hf_config(config), ops=None)
+    assert sum(p.numel() for p in model.parameters()) == catalog.NUM_PARAMS[name]
+    shape = catalog.MODELS[name]
+    derived = ModelShape.from_hf_config(config)
+    assert (derived.num_layers, derived.num_kv_heads, derived.head_dim) == (
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_dim,
+    )
+    assert derived.max_position_embeddings == shape.max_position_embeddings
+
+
+def test_write_config_takes_hub_ids_and_prints_the_path(tmp_path, capsys):
+    assert (
+        plan.main(["--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--write-config", str(tmp_path / "d")])
+        == 0
+    )
+    assert capsys.readouterr().out.strip() == str(tmp_path / "d" / "config.json")
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (written["hidden_size"], written["num_key_value_heads"], written["vocab_size"]) == (
+        4096,
+        8,
+        128256,
+    )
+
+
+def test_write_config_of_an_unknown_model_names_the_known_ones(tmp_path, capsys):
+    assert plan.main(["--model", "gpt-17", "--write-config", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "unknown model 'gpt-17'; known models: llama-3-70b" in err
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_plan_without_gpu_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        plan.main(["--model", "llama-3-8b"])
+    assert exc.value.code == 2
+    assert "--gpu and --max-model-len are required" in capsys.readouterr().err
