@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test bench bench-peers lint fmt install k8s-tools cluster prometheus cxx
+.PHONY: serve test bench bench-peers lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
 
 install: $(STAMP)
 
@@ -43,6 +43,14 @@ bench: $(STAMP) cxx
 # llama-cpp-python's server on the same GGUF and workload (the newest results folder); builds it once into ~/.cache.
 bench-peers: $(STAMP)
 	$(PY) -m conveyor.benchmarks.run_peers $(BENCH_ARGS)
+
+# The CUDA path on a GPU machine in one run (hack/gpu-check/run.sh); prints the report's path last.
+gpu-check:
+	bash hack/gpu-check/run.sh
+
+# Wheels for a GPU machine without network whose Python 3.12 has torch, triton and transformers.
+gpu-check-wheels: $(STAMP)
+	bash hack/gpu-check/wheels.sh
 
 # Kubernetes test-bed binaries, built once per machine into ~/.cache (hack/k8s-tools/build.sh).
 k8s-tools:

@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "benchmarks/kernels.py needs a CUDA device: torch.cuda.is_available() is False "
             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}). "
-            "The kernels' correctness tests run on CPU: pytest tests/integration/test_kernels_triton.py",
+            "The kernels' correctness tests run on CPU: pytest tests/integration/test_kernels_backends.py",
             file=sys.stderr,
         )
         return 2

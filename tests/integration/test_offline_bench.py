@@ -1,0 +1,60 @@
+"""`python -m conveyor.benchmarks.offline` (the engine part of `make gpu-check`) on CPU with a tiny
+random-weight shape: every batch runs to its exact output length and the report's arithmetic holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.benchmarks import offline
+from conveyor.server import capacity
+
+pytestmark = pytest.mark.slow
+
+MiB = 1 << 20
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def test_offline_batches_on_a_tiny_dummy_shape(tmp_path, capsys):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
+    argv = [str(tmp_path / "tiny"), "--load-format", "dummy", "--dtype", "float32", "--device", "cpu"]
+    argv += ["--batch-sizes", "1,4", "--input-len", "40", "--output-len", "6"]
+    argv += ["--kv-cache-memory", str(16 * MiB), "--json", str(tmp_path / "report.json")]
+    argv += ["--plan-model", "smollm2-135m", "--plan-gpu", "l4"]
+    assert offline.main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    per_token = capacity.kv_bytes_per_token(2, 2, 16, "float32")
+    assert report["kv_bytes_per_token"] == per_token
+    assert report["kv_pool_bytes"] == 16 * MiB
+    assert report["num_kv_blocks"] == capacity.num_kv_blocks_for_pool(16 * MiB, per_token, 16)
+    # Weights read per step: 2 layers of (qkv 64x(64+2x32), o 64x64, gate/up 64x256, down 128x64,
+    # 2 norms) + final norm + untied LM head 49152x64; the untied input embedding is not counted.
+    layer = 64 * 128 + 64 * 64 + 64 * 256 + 128 * 64 + 2 * 64
+    assert report["weight_bytes"] == (2 * layer + 64 + 49152 * 64) * 4
+    assert [b["batch"] for b in report["batches"]] == [1, 4]
+    for b in report["batches"]:
+        # The first token comes from the prefill step, then one decode step per further token.
+        assert b["output_tokens"] == b["batch"] * 6
+        assert b["num_decode_steps"] == 5
+        floor = report["weight_bytes"] + b["batch"] * (40 + 3) * per_token
+        assert b["floor_bytes"] == pytest.approx(floor)
+        assert b["floor_tok_s"] == pytest.approx(b["batch"] / b["floor_step_s"])
+    assert "| 4 |" in out and "`conveyor plan`" in out
