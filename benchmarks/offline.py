@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from conveyor.benchmarks.kernels import measure_copy_gbs
+
 GiB = 1 << 30
 
 
@@ -71,21 +73,18 @@ class OfflineReport:
     batches: list[BatchResult]
 
 
-def measure_copy_gbs(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Copy bandwidth of `device` in GB/s (1e9 bytes/s), counting the read and the write: the median
-    of `repeats` copies of a `num_bytes` buffer."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
+def wall_clock_median(fn, repeats: int = 10) -> float:
+    """Median wall time of `fn` in milliseconds over `repeats` runs after one warm-up, the device
+    synchronized around each (a `kernels.py` timer that needs no triton and works on CPU)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        fn()
+        sync()
         times.append(time.perf_counter() - start)
-    return 2 * num_bytes / statistics.median(times[1:]) / 1e9
+    return statistics.median(times[1:]) * 1e3
 
 
 def weight_bytes_read_per_step(shape, dtype: torch.dtype) -> int:
@@ -145,7 +144,7 @@ def run(args: argparse.Namespace) -> OfflineReport:
     start_s = time.perf_counter() - start
     shape = engine.model.shape
     weights = weight_bytes_read_per_step(shape, engine.dtype)
-    copy_gbs = measure_copy_gbs(engine.device)
+    copy_gbs = measure_copy_gbs(engine.device, wall_clock_median)
     planned = _planned_pool_bytes(args, str(engine.dtype).removeprefix("torch."))
     results = []
     for batch in batch_sizes:
