@@ -1,15 +1,27 @@
 """Autoscaling decisions: observed TTFT and queue depth -> desired replicas (pure, no I/O).
 
-The algorithm is the Horizontal Pod Autoscaler's (DESIGN.md, "Operator contract"):
+The algorithm is the Horizontal Pod Autoscaler's (DESIGN.md, "Operator contract"; mirrored from
+kubernetes `pkg/controller/podautoscaler/horizontal.go`) over two signals of the Ready pods:
 
-    ratio   = max(ttft_p90 / targetTTFTSeconds, (queue_depth / current) / targetQueueDepth)
-    raw     = ceil(current * ratio)           unless |ratio - 1| <= tolerance (then raw = current)
+    ratio   = max(ttft_p90 / targetTTFTSeconds, (queue_depth / ready) / targetQueueDepth)
+    raw     = ceil(ready * ratio)             unless |ratio - 1| <= tolerance (then raw = current)
+    raw     = current  if ready < raw <= current (pods still starting are supply already)
     raw     = clamp(raw, minReplicas, maxReplicas)
 
-then stabilized as the HPA's `behavior` does: a scale-up goes to the *lowest* recommendation of the
-last `scaleUpStabilizationSeconds`, a scale-down to the *highest* of the last
-`scaleDownStabilizationSeconds`, so one noisy sample never moves the replica count. Fetching the
-metrics from Prometheus and patching the Deployment belong to the caller.
+then stabilized as the HPA's `behavior` does (a scale-up goes to the *lowest* recommendation of the
+scale-up window, a scale-down to the *highest* of the scale-down window) and rate-limited by the
+behavior's policies (at most `value` pods, or percent of the replicas at the period's start, per
+sliding `periodSeconds`; `selectPolicy: Max` takes the policy that allows the most change).
+
+Missing data is never read as zero: a TTFT that is unknown (no series, NaN) while requests arrive,
+or a queue depth without series, is "unknown". All targeted signals unknown -> hold the current
+count (reason `MetricsUnavailable`); some unknown -> only scale-up is allowed, on the known ones. No
+TTFT samples at all in the window (request rate 0) is known idleness, not an unknown. With no Ready
+pod, waiting requests wake one replica (`max(minReplicas, 1)`); pods still starting are waited for.
+
+`current` is the Deployment's `spec.replicas`, `ready` its pods that are Ready now. Times are
+seconds on one clock (the operator uses Unix time, so the history survives a restart in status).
+Fetching the metrics from Prometheus and writing the Deployment belong to the caller.
 """
 
 from __future__ import annotations
@@ -17,39 +29,58 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from conveyor.operator.spec import AutoscalingSpec
-
-# The HPA's default: ratios within 10% of 1 leave the replica count alone.
-DEFAULT_TOLERANCE = 0.1
+from conveyor.operator.spec import AutoscalingSpec, ScalingRules
 
 
 @dataclass(frozen=True)
 class Observation:
-    """Metrics of one InferenceService's pods at one time.
+    """Metrics of one InferenceService's Ready pods at one time; None where Prometheus has no data.
 
-    ttft_p90_seconds: p90 of `conveyor:time_to_first_token_seconds` over the scrape window.
-    queue_depth: sum of `conveyor:num_requests_waiting` over the pods (requests).
-    Either is None when Prometheus has no data for it.
+    ttft_p90_seconds: p90 of `conveyor:time_to_first_token_seconds` over the rate window (seconds).
+    request_rate: TTFT samples per second over the same window (0 = no request started: idle).
+    queue_depth: sum of `conveyor:num_requests_waiting` (requests).
+    running_requests, kv_cache_usage: context for status, not used by the decision.
     """
 
     ttft_p90_seconds: float | None
     queue_depth: float | None
+    request_rate: float | None = None
+    running_requests: float | None = None
+    kv_cache_usage: float | None = None
 
 
 @dataclass(frozen=True)
 class Recommendation:
-    """An unstabilized replica recommendation and when it was made (monotonic seconds)."""
+    """A clamped, unstabilized replica recommendation and when it was made (seconds)."""
 
     at_seconds: float
     replicas: int
 
 
 @dataclass(frozen=True)
+class ScaleEvent:
+    """A change the autoscaler made: `change` replicas (negative: removed) at `at_seconds`."""
+
+    at_seconds: float
+    change: int
+
+
+@dataclass(frozen=True)
+class History:
+    """What one decision needs from the earlier ones, oldest first."""
+
+    recommendations: tuple[Recommendation, ...] = ()
+    scale_events: tuple[ScaleEvent, ...] = ()
+
+
+@dataclass(frozen=True)
 class Decision:
     """The outcome of one autoscaling step.
 
-    `replicas` is what to set; `recommended` the clamped, unstabilized value; `ratio` the metric ratio
-    (None without metrics); `reason` a CamelCase word for the Scaling condition and the event.
+    replicas: what `spec.replicas` should be; recommended: the clamped, unstabilized value.
+    ratio: the metric ratio that drove it (None without metrics). reason: a CamelCase word for the
+    Scaling condition and the Event; message: one line with the numbers. metrics_available: False
+    when every targeted signal was unknown.
     """
 
     replicas: int
@@ -57,86 +88,217 @@ class Decision:
     ratio: float | None
     reason: str
     message: str
+    metrics_available: bool = True
 
 
-def metric_ratio(spec: AutoscalingSpec, current: int, observation: Observation) -> float | None:
-    """max(observed / target) over the metrics that have both a target and a value; None if none do."""
-    ratios: list[float] = []
-    if spec.target_ttft_seconds is not None and observation.ttft_p90_seconds is not None:
-        ratios.append(observation.ttft_p90_seconds / spec.target_ttft_seconds)
-    if spec.target_queue_depth is not None and observation.queue_depth is not None and current > 0:
-        ratios.append(observation.queue_depth / current / spec.target_queue_depth)
-    return max(ratios) if ratios else None
+def _signals(
+    spec: AutoscalingSpec, ready: int, observation: Observation
+) -> tuple[dict[str, float], list[str]]:
+    """({signal: ratio} for the known targeted signals, [unknown targeted signals])."""
+    known: dict[str, float] = {}
+    unknown: list[str] = []
+    if spec.target_ttft_seconds is not None:
+        if observation.ttft_p90_seconds is not None and math.isfinite(observation.ttft_p90_seconds):
+            known["ttft"] = observation.ttft_p90_seconds / spec.target_ttft_seconds
+        elif observation.request_rate == 0:
+            known["ttft"] = 0.0  # No request in the window: no latency pressure.
+        else:
+            unknown.append("ttft")
+    if spec.target_queue_depth is not None:
+        queue = observation.queue_depth
+        if queue is None or not math.isfinite(queue):
+            unknown.append("queue")
+        elif ready > 0:
+            known["queue"] = queue / ready / spec.target_queue_depth
+    return known, unknown
+
+
+def _describe(spec: AutoscalingSpec, ready: int, observation: Observation) -> str:
+    parts = []
+    if spec.target_ttft_seconds is not None:
+        ttft = observation.ttft_p90_seconds
+        if ttft is not None and math.isfinite(ttft):
+            parts.append(f"p90 TTFT {ttft:.3f}s vs target {spec.target_ttft_seconds:g}s")
+        elif observation.request_rate == 0:
+            parts.append("no requests")
+        else:
+            parts.append("p90 TTFT unknown")
+    if spec.target_queue_depth is not None:
+        queue = observation.queue_depth
+        if queue is None or not math.isfinite(queue):
+            parts.append("queue depth unknown")
+        else:
+            per = f" = {queue / ready:.1f}/replica" if ready else ""
+            parts.append(
+                f"queue depth {queue:g} over {ready} ready{per} vs target {spec.target_queue_depth:g}"
+            )
+    return "; ".join(parts)
+
+
+def _scale_up_limit(current: int, events: tuple[ScaleEvent, ...], rules: ScalingRules, now: float) -> int:
+    """The most replicas the scale-up policies allow now (HPA `calculateScaleUpLimitWithScalingRules`)."""
+    limits = []
+    for policy in rules.policies or ():
+        added = sum(e.change for e in events if e.change > 0 and now - e.at_seconds < policy.period_seconds)
+        start = current - added
+        if policy.type == "Pods":
+            limits.append(start + policy.value)
+        else:
+            limits.append(math.ceil(start * (1 + policy.value / 100)))
+    if not limits:
+        return current
+    return max(limits) if rules.select_policy == "Max" else min(limits)
+
+
+def _scale_down_limit(current: int, events: tuple[ScaleEvent, ...], rules: ScalingRules, now: float) -> int:
+    """The fewest replicas the scale-down policies allow now (HPA `calculateScaleDownLimit...`)."""
+    limits = []
+    for policy in rules.policies or ():
+        removed = -sum(
+            e.change for e in events if e.change < 0 and now - e.at_seconds < policy.period_seconds
+        )
+        start = current + removed
+        if policy.type == "Pods":
+            limits.append(start - policy.value)
+        else:
+            limits.append(math.floor(start * (1 - policy.value / 100)))
+    if not limits:
+        return current
+    return min(limits) if rules.select_policy == "Max" else max(limits)
 
 
 def recommend(
-    spec: AutoscalingSpec, current: int, observation: Observation, tolerance: float = DEFAULT_TOLERANCE
-) -> tuple[int, float | None]:
-    """(replicas within [minReplicas, maxReplicas], ratio) before stabilization."""
+    spec: AutoscalingSpec, current: int, ready: int, observation: Observation
+) -> tuple[int, float | None, str | None, bool]:
+    """(clamped recommendation, ratio, reason that overrides the default one, metrics available)."""
     low, high = spec.min_replicas, spec.max_replicas
-    if current == 0:
-        # Scaled to zero there is no TTFT to read; waiting requests (if any) wake one replica.
-        waiting = observation.queue_depth or 0
-        return min(max(low, 1 if waiting > 0 else 0), high), None
-    ratio = metric_ratio(spec, current, observation)
-    if ratio is None or abs(ratio - 1.0) <= tolerance:
-        return min(max(current, low), high), ratio
-    return min(max(math.ceil(current * ratio), low), high), ratio
+    known, unknown = _signals(spec, ready, observation)
+    if ready == 0:
+        waiting = observation.queue_depth
+        if current == 0:
+            if waiting is not None and waiting > 0:
+                return min(max(low, 1), high), None, "ScaleFromZero", True
+            return min(max(current, low), high), None, None, waiting is not None
+        # Pods exist but none is Ready yet: wait for them, whatever the metrics say.
+        return min(max(current, low), high), None, "WaitingForReadyReplicas", not unknown or bool(known)
+    if not known:
+        return min(max(current, low), high), None, "MetricsUnavailable", False
+    ratio = max(known.values())
+    if abs(ratio - 1.0) <= spec.tolerance:
+        return min(max(current, low), high), ratio, "WithinTolerance", True
+    raw = math.ceil(ready * ratio)
+    reason = None
+    if ready < raw <= current:
+        raw, reason = current, "WaitingForPendingReplicas"
+    if unknown and raw < current:
+        # A signal we cannot see might be high: never scale down on half the picture.
+        raw, reason = current, "PartialMetrics"
+    return min(max(raw, low), high), ratio, reason, True
 
 
-def stabilize(spec: AutoscalingSpec, current: int, history: list[Recommendation], now_seconds: float) -> int:
-    """The HPA's stabilization over `history` (which includes the newest recommendation).
-
-    Scale up only to the minimum recommended over the scale-up window, down only to the maximum over
-    the scale-down window; otherwise stay.
-    """
-    up_window = [
-        r.replicas for r in history if now_seconds - r.at_seconds <= spec.scale_up_stabilization_seconds
-    ]
-    down_window = [
-        r.replicas for r in history if now_seconds - r.at_seconds <= spec.scale_down_stabilization_seconds
-    ]
-    up = min(up_window) if up_window else current
-    down = max(down_window) if down_window else current
-    if up > current:
-        return up
-    if down < current:
-        return down
-    return current
+def _reason(
+    spec: AutoscalingSpec,
+    current: int,
+    replicas: int,
+    recommended: int,
+    stabilized: int,
+    ratio: float | None,
+    special: str | None,
+) -> str:
+    """The CamelCase reason of a decision."""
+    if replicas > current:
+        return "ScaleFromZero" if special == "ScaleFromZero" else "ScaleUp"
+    if replicas < current:
+        return "ScaleDown"
+    if special is not None:
+        return special
+    if recommended < current:
+        return "ScaleDownStabilizing" if stabilized == current else "ScaleDownLimited"
+    if recommended > current:
+        return "ScaleUpStabilizing" if stabilized == current else "ScaleUpLimited"
+    if ratio is not None and ratio > 1 and current >= spec.max_replicas:
+        return "AtMaxReplicas"
+    if ratio is not None and ratio < 1 and current <= spec.min_replicas:
+        return "AtMinReplicas"
+    return "Steady"
 
 
 def decide(
     spec: AutoscalingSpec,
     current: int,
+    ready: int,
     observation: Observation,
-    history: list[Recommendation],
+    history: History,
     now_seconds: float,
-    tolerance: float = DEFAULT_TOLERANCE,
-) -> tuple[Decision, list[Recommendation]]:
-    """One autoscaling step: the decision and the recommendation history to keep for the next step.
+) -> tuple[Decision, History]:
+    """One autoscaling step: the decision and the history to keep for the next step.
 
-    `history` holds earlier recommendations (oldest first); entries older than both windows are
-    dropped from the returned history.
+    current: the Deployment's `spec.replicas`; ready: its Ready pods. Entries older than every window
+    and period are dropped from the returned history.
     """
-    recommended, ratio = recommend(spec, current, observation, tolerance)
-    keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
-    new_history = [r for r in history if now_seconds - r.at_seconds <= keep]
-    new_history.append(Recommendation(now_seconds, recommended))
-    replicas = stabilize(spec, current, new_history, now_seconds)
+    up_rules, down_rules = spec.scale_up, spec.scale_down
+    recommended, ratio, reason, available = recommend(spec, current, ready, observation)
+    if not spec.min_replicas <= current <= spec.max_replicas:
+        # As the HPA does: bounds that moved apply at once, without windows or rate limits.
+        replicas = min(max(current, spec.min_replicas), spec.max_replicas)
+        message = f"{current} -> {replicas} replicas (outside [{spec.min_replicas}, {spec.max_replicas}])"
+        reason = "ScaleUp" if replicas > current else "ScaleDown"
+        events = (*history.scale_events, ScaleEvent(now_seconds, replicas - current))
+        return Decision(replicas, replicas, None, reason, message, available), History(
+            history.recommendations, events
+        )
 
-    observed = []
-    if observation.ttft_p90_seconds is not None:
-        observed.append(f"p90 TTFT {observation.ttft_p90_seconds:.3f}s")
-    if observation.queue_depth is not None:
-        observed.append(f"{observation.queue_depth:g} waiting")
-    seen = ", ".join(observed) or "no metrics"
+    up_window = up_rules.stabilization_window_seconds or 0
+    down_window = down_rules.stabilization_window_seconds or 0
+    recommendations = [
+        r for r in history.recommendations if now_seconds - r.at_seconds <= max(up_window, down_window)
+    ]
+    # A hold for lack of data is not a recommendation: it must not stretch the windows.
+    if available:
+        recommendations.append(Recommendation(now_seconds, recommended))
+    up = min([r.replicas for r in recommendations if now_seconds - r.at_seconds <= up_window] + [recommended])
+    down = max(
+        [r.replicas for r in recommendations if now_seconds - r.at_seconds <= down_window] + [recommended]
+    )
+    stabilized = current
+    if stabilized < up:
+        stabilized = up
+    if stabilized > down:
+        stabilized = down
+
+    replicas = stabilized
+    limited = ""
     if replicas > current:
-        reason = "ScaleUp"
+        limit = (
+            current
+            if up_rules.select_policy == "Disabled"
+            else max(_scale_up_limit(current, history.scale_events, up_rules, now_seconds), current)
+        )
+        if replicas > limit:
+            replicas, limited = limit, f"; limited to +{limit - current} by behavior.scaleUp"
     elif replicas < current:
-        reason = "ScaleDown"
-    elif recommended != current:
-        reason = "Stabilizing"
-    else:
-        reason = "WithinTarget"
-    message = f"{current} -> {replicas} replicas ({seen}; recommended {recommended})"
-    return Decision(replicas, recommended, ratio, reason, message), new_history
+        limit = (
+            current
+            if down_rules.select_policy == "Disabled"
+            else min(_scale_down_limit(current, history.scale_events, down_rules, now_seconds), current)
+        )
+        limit = max(limit, spec.min_replicas)
+        if replicas < limit:
+            replicas, limited = limit, f"; limited to -{current - limit} by behavior.scaleDown"
+
+    reason = _reason(spec, current, replicas, recommended, stabilized, ratio, reason)
+    ratio_text = f", ratio {ratio:.2f}" if ratio is not None else ""
+    message = (
+        f"{current} -> {replicas} replicas ({_describe(spec, ready, observation)}{ratio_text}; "
+        f"recommended {recommended}{limited})"
+    )
+
+    keep = max(
+        [up_window, down_window]
+        + [p.period_seconds for rules in (up_rules, down_rules) for p in rules.policies or ()]
+    )
+    events = [e for e in history.scale_events if now_seconds - e.at_seconds <= keep]
+    if replicas != current:
+        events.append(ScaleEvent(now_seconds, replicas - current))
+    decision = Decision(replicas, recommended, ratio, reason, message, available)
+    return decision, History(tuple(recommendations), tuple(events))

@@ -100,6 +100,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "GPU", "type": "string", "jsonPath": ".spec.resources.gpuType"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+    {"name": "Scaling", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Scaling")].reason'},
     {"name": "MaxSeqs", "type": "integer", "jsonPath": ".status.capacity.maxNumSeqs"},
     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -21,6 +21,9 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 from pydantic import ValidationError
 
+from conveyor.operator import metrics
+from conveyor.operator.autoscaler import History, Observation, decide
+from conveyor.operator.metrics import PrometheusSource, Reading
 from conveyor.operator.plan import PlanningError, SpecPlan, plan_for_spec
 from conveyor.operator.render import (
     FIELD_MANAGER,
@@ -28,9 +31,25 @@ from conveyor.operator.render import (
     LABEL_MANAGED_BY,
     Owner,
     render_all,
+    selector_string,
 )
 from conveyor.operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec, parse_spec
-from conveyor.operator.status import build_status, capacity_message
+from conveyor.operator.status import (
+    METRICS_AVAILABLE,
+    autoscaler_status,
+    build_status,
+    capacity_message,
+    history_from_status,
+)
+
+SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
+HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
+SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+
+# The field manager of replicas written by the builtin autoscaler (scale subresource).
+AUTOSCALER_FIELD_MANAGER = "conveyor-autoscaler"
+# kopf memo key of an InferenceService's autoscaler history.
+HISTORY_MEMO_KEY = "autoscaler_history"
 
 # How long the answer to "does the monitoring.coreos.com API exist?" is trusted, in seconds.
 DISCOVERY_TTL_SECONDS = 60.0
@@ -51,8 +70,9 @@ class Cluster:
     def __init__(self, api_client: client.ApiClient) -> None:
         self.dynamic = dynamic.DynamicClient(api_client)
         self.custom = client.CustomObjectsApi(api_client)
-        self._monitoring_checked_at = -DISCOVERY_TTL_SECONDS
-        self._monitoring = False
+        self.core = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self._apis: dict[tuple[str, str], tuple[float, bool]] = {}
         # The discovery cache is shared by every reconcile thread and rebuilt on a miss.
         self._discovery_lock = threading.Lock()
 
@@ -65,19 +85,29 @@ class Cluster:
                 return None
             raise
 
-    def has_service_monitor_api(self) -> bool:
-        """Whether `monitoring.coreos.com/v1` ServiceMonitor is served (cached for a minute)."""
+    def has_api(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves `kind` in `api_version` (each answer cached for a minute, so
+        a CRD installed later is found within that time)."""
         with self._discovery_lock:
             now = time.monotonic()
-            if now - self._monitoring_checked_at >= DISCOVERY_TTL_SECONDS:
+            checked_at, found = self._apis.get((api_version, kind), (-DISCOVERY_TTL_SECONDS, False))
+            if now - checked_at >= DISCOVERY_TTL_SECONDS:
                 try:
-                    # A miss re-reads discovery, so a CRD installed later is found within the TTL.
-                    self.dynamic.resources.get(api_version="monitoring.coreos.com/v1", kind="ServiceMonitor")
-                    self._monitoring = True
+                    # A miss re-reads discovery.
+                    self.dynamic.resources.get(api_version=api_version, kind=kind)
+                    found = True
                 except ResourceNotFoundError:
-                    self._monitoring = False
-                self._monitoring_checked_at = now
-            return self._monitoring
+                    found = False
+                self._apis[(api_version, kind)] = (now, found)
+            return found
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete one object; False when it did not exist."""
+        try:
+            self._resource(api_version, kind).delete(name=name, namespace=namespace)
+        except NotFoundError:
+            return False
+        return True
 
     def _resource(self, api_version: str, kind: str) -> Any:
         with self._discovery_lock:
@@ -111,6 +141,23 @@ class Cluster:
         changed = before["metadata"]["resourceVersion"] != after["metadata"]["resourceVersion"]
         return ("updated" if changed else "unchanged"), after
 
+    def pods(self, namespace: str, name: str) -> tuple[list[str], list[str]]:
+        """(Ready pods, all pods not being deleted) of one InferenceService, by name."""
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector_string(name)).items
+        live = [p for p in pods if p.metadata.deletion_timestamp is None]
+        ready = [
+            p.metadata.name
+            for p in live
+            if any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or []))
+        ]
+        return ready, [p.metadata.name for p in live]
+
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
+        """Write the Deployment's replicas through its scale subresource."""
+        self.apps.patch_namespaced_deployment_scale(
+            name, namespace, {"spec": {"replicas": replicas}}, field_manager=AUTOSCALER_FIELD_MANAGER
+        )
+
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch the status subresource (None values delete fields)."""
         self.custom.patch_namespaced_custom_object_status(
@@ -119,6 +166,7 @@ class Cluster:
 
 
 _cluster: Cluster | None = None
+_prometheus: PrometheusSource | None = None
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
@@ -152,9 +200,12 @@ def _without_none(value: Any) -> Any:
     return value
 
 
-def _desired_replicas(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> int:
-    """Replicas to apply: the spec's, or under autoscaling the Deployment's current count kept
-    within [minReplicas, maxReplicas] (the autoscaler changes it; reconciling must not undo that)."""
+def _desired_replicas(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> int | None:
+    """Replicas to apply: the spec's; under the builtin autoscaler the Deployment's current count
+    kept within [minReplicas, maxReplicas] (the autoscaler writes it; reconciling must not undo
+    that); None (left out) when an HPA or KEDA owns the field."""
+    if spec.autoscaling is not None and spec.autoscaling.engine != "builtin":
+        return None
     if spec.autoscaling is None or deployment is None:
         return spec.desired_replicas
     current = deployment.get("spec", {}).get("replicas", spec.desired_replicas)
@@ -182,6 +233,7 @@ def _reconcile(
     spec: InferenceServiceSpec | None = None
     plan: SpecPlan | None = None
     failure: tuple[str, str] | None = None
+    scaling_problem: tuple[str, str] | None = None
     try:
         spec = parse_spec(body.get("spec") or {})
         plan = plan_for_spec(spec)
@@ -209,7 +261,41 @@ def _reconcile(
         ):
             kopf.event(body, type="Normal", reason="CapacityPlanned", message=capacity_message(plan))
         replicas = _desired_replicas(spec, deployment)
-        objects = render_all(owner, spec, plan, replicas, service_monitor=cluster.has_service_monitor_api())
+        engine = spec.autoscaling.engine if spec.autoscaling is not None else None
+        has_keda = engine == "keda" and cluster.has_api(*SCALED_OBJECT)
+        if engine == "keda" and not has_keda:
+            scaling_problem = (
+                "KEDANotInstalled",
+                "autoscaling.engine is keda but the keda.sh/v1alpha1 ScaledObject API is not served; "
+                "replicas stay as they are until KEDA is installed",
+            )
+            previous_scaling = next(
+                (c for c in previous.get("conditions") or [] if c.get("type") == "Scaling"), {}
+            )
+            if previous_scaling.get("reason") != scaling_problem[0]:
+                kopf.event(body, type="Warning", reason=scaling_problem[0], message=scaling_problem[1])
+                logger.warning(scaling_problem[1])
+        objects = render_all(
+            owner,
+            spec,
+            plan,
+            replicas,
+            service_monitor=cluster.has_api(*SERVICE_MONITOR),
+            scaled_object=has_keda,
+            prometheus_url=_prometheus.url if _prometheus is not None else None,
+        )
+        rendered = {(o["apiVersion"], o["kind"]) for o in objects}
+        for api in (HPA, SCALED_OBJECT):
+            if api in rendered or (api == SCALED_OBJECT and not cluster.has_api(*api)):
+                continue
+            # An autoscaler this resource rendered before its engine changed; never someone else's.
+            stale = cluster.get(*api, namespace, name)
+            owners = (stale or {}).get("metadata", {}).get("ownerReferences") or []
+            if any(ref.get("uid") == owner.uid for ref in owners):
+                cluster.delete(*api, namespace, name)
+                message = f"deleted {api[1]} {namespace}/{name}"
+                kopf.event(body, type="Normal", reason="Deleted", message=message)
+                logger.info(message)
         for obj in objects:
             action, stored = cluster.apply(obj)
             if action != "unchanged":
@@ -229,6 +315,7 @@ def _reconcile(
         deployment=deployment,
         previous=previous,
         now=_now(),
+        scaling_problem=scaling_problem,
     )
     if _without_none(status) != _without_none({k: previous.get(k) for k in status}):
         cluster.patch_status(namespace, name, status)
@@ -268,3 +355,115 @@ def on_child(namespace: str, labels: dict[str, str], logger: logging.Logger, **_
     owner_name = labels.get(LABEL_INSTANCE)
     if owner_name:
         reconcile(namespace, owner_name, logger)
+
+
+def configure_autoscaler(prometheus_url: str | None, interval_seconds: float) -> None:
+    """Point the builtin autoscaler at Prometheus and register its timer (every `interval_seconds`).
+
+    Without a URL the timer still runs and records `MetricsAvailable=False` (it never guesses).
+    """
+    global _prometheus
+    _prometheus = PrometheusSource(prometheus_url) if prometheus_url else None
+    # Only autoscaled resources get the timer, and with it kopf's finalizer (kopf stops a timer before
+    # its resource goes, so deleting an autoscaled InferenceService waits for a running operator).
+    kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        interval=interval_seconds,
+        id="autoscale",
+        field="spec.autoscaling",
+        value=kopf.PRESENT,
+    )(on_autoscale_timer)
+
+
+def on_autoscale_timer(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """One builtin-autoscaler step for one InferenceService: read, decide, write replicas, record."""
+    with _lock_for(namespace, name):
+        autoscale(_get_cluster(), _prometheus, namespace, name, memo, logger, time.time())
+
+
+def _reading_without_source() -> Reading:
+    return Reading(Observation(None, None), {"prometheus": "the operator runs without --prometheus-url"})
+
+
+def autoscale(
+    cluster: Cluster,
+    source: PrometheusSource | None,
+    namespace: str,
+    name: str,
+    memo: Any,
+    logger: logging.Logger | logging.LoggerAdapter,
+    now_seconds: float,
+) -> None:
+    """Read the Ready pods' metrics, decide, write the Deployment's replicas (mode Active), and record
+    the decision in status, an Event and the operator's metrics. `memo` holds the history between
+    steps; after a restart it is read back from status."""
+    body = cluster.get_inference_service(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        spec = parse_spec(body.get("spec") or {})
+    except ValidationError:
+        return  # reconcile reports it
+    auto = spec.autoscaling
+    keda_pending = auto is not None and auto.engine == "keda" and cluster.has_api(*SCALED_OBJECT)
+    if keda_pending and cluster.get(*SCALED_OBJECT, namespace, name) is None:
+        # KEDA was installed after the last reconcile: nothing else would trigger one.
+        _reconcile(cluster, namespace, name, logger)
+    if auto is None or auto.engine != "builtin":
+        memo.pop(HISTORY_MEMO_KEY, None)
+        return
+    deployment = cluster.get("apps/v1", "Deployment", namespace, name)
+    if deployment is None:
+        return  # reconcile creates it first
+    current = int(deployment.get("spec", {}).get("replicas", 1))
+    ready_pods, live_pods = cluster.pods(namespace, name)
+    window = auto.ttft_window_seconds
+    reading = (
+        _reading_without_source()
+        if source is None
+        else source.observe(namespace, ready_pods or live_pods, window)
+    )
+    previous = body.get("status") or {}
+    history: History = memo.get(HISTORY_MEMO_KEY) or history_from_status(previous)
+    decision, new_history = decide(auto, current, len(ready_pods), reading.observation, history, now_seconds)
+    acted = auto.mode == "Active"
+    if not acted:
+        new_history = History(new_history.recommendations, history.scale_events)
+    changed = decision.replicas != current
+    if changed and acted:
+        cluster.scale_deployment(namespace, name, decision.replicas)
+        logger.info("scaled %s/%s: %s", namespace, name, decision.message)
+    memo[HISTORY_MEMO_KEY] = new_history
+
+    now = datetime.datetime.fromtimestamp(now_seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    patch = autoscaler_status(
+        previous=previous,
+        decision=decision,
+        reading=reading,
+        history=new_history,
+        current=current,
+        ready=len(ready_pods),
+        acted=acted,
+        generation=body["metadata"].get("generation"),
+        now=now,
+    )
+    before = (previous.get("autoscaler") or {}).get("decisions") or []
+    recorded = (
+        len(patch["autoscaler"]["decisions"]) != len(before) or patch["autoscaler"]["decisions"] != before
+    )
+    if changed and (acted or recorded):
+        reason = decision.reason if acted else f"Advisory{decision.reason}"
+        kopf.event(body, type="Normal", reason=reason, message=decision.message)
+    was = next((c for c in previous.get("conditions") or [] if c.get("type") == METRICS_AVAILABLE), None)
+    now_available = next(c for c in patch["conditions"] if c["type"] == METRICS_AVAILABLE)
+    if now_available["status"] == "False" and (was or {}).get("status") != "False":
+        kopf.event(body, type="Warning", reason="MetricsUnavailable", message=now_available["message"])
+    cluster.patch_status(namespace, name, patch)
+
+    metrics.DECISIONS.labels(namespace, name, decision.reason).inc()
+    metrics.LAST_DECISION.labels(namespace, name).set(now_seconds)
+    metrics.DESIRED.labels(namespace, name).set(decision.replicas)
+    for query in reading.errors:
+        metrics.QUERY_ERRORS.labels(namespace, name, query).inc()

@@ -152,9 +152,13 @@ def _probe(path: str, period: int, failure_threshold: int, timeout: int = 5) -> 
 
 
 def render_deployment(
-    owner: Owner, spec: InferenceServiceSpec, plan: SpecPlan, replicas: int
+    owner: Owner, spec: InferenceServiceSpec, plan: SpecPlan, replicas: int | None
 ) -> dict[str, Any]:
-    """The Deployment running `replicas` pods of the server, each with `plan.num_gpus` GPUs."""
+    """The Deployment running `replicas` pods of the server, each with `plan.num_gpus` GPUs.
+
+    `replicas=None` leaves the field out, for an HPA or KEDA that owns it (the API server then starts
+    one pod and the autoscaler takes over).
+    """
     gpus = str(plan.num_gpus)
     resources: dict[str, dict[str, str]] = {
         "limits": {GPU_RESOURCE: gpus},
@@ -213,7 +217,7 @@ def render_deployment(
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
 
-    return {
+    deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(owner),
@@ -238,6 +242,9 @@ def render_deployment(
             },
         },
     }
+    if replicas is None:
+        del deployment["spec"]["replicas"]
+    return deployment
 
 
 def render_service(owner: Owner) -> dict[str, Any]:
@@ -277,15 +284,138 @@ def render_service_monitor(owner: Owner) -> dict[str, Any]:
     }
 
 
+# Pods metrics that Prometheus Adapter serves from the server's series
+# (charts/conveyor/prometheus-adapter-values.yaml holds the matching rules).
+ADAPTER_QUEUE_METRIC = "conveyor_num_requests_waiting"
+ADAPTER_TTFT_METRIC = "conveyor_time_to_first_token_seconds_p90"
+# Where KEDA's Prometheus triggers look when the operator is given no --prometheus-url
+# (kube-prometheus-stack's service).
+DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+
+
+def quantity(value: float) -> str:
+    """A Kubernetes quantity for a metric target: 4 -> "4", 0.5 -> "500m"."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{round(value * 1000)}m"
+
+
+def _behavior(spec: InferenceServiceSpec) -> dict[str, Any]:
+    auto = spec.autoscaling
+    assert auto is not None
+    return {
+        "scaleUp": auto.scale_up.model_dump(by_alias=True, exclude_none=True),
+        "scaleDown": auto.scale_down.model_dump(by_alias=True, exclude_none=True),
+    }
+
+
+def _scale_target(owner: Owner) -> dict[str, str]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name}
+
+
+def render_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """An autoscaling/v2 HorizontalPodAutoscaler on Pods metrics from Prometheus Adapter: per-pod
+    waiting requests (AverageValue = targetQueueDepth) and per-pod p90 TTFT (AverageValue =
+    targetTTFTSeconds), with the spec's behavior. The HPA controller needs minReplicas >= 1."""
+    auto = spec.autoscaling
+    assert auto is not None
+    metrics = []
+    if auto.target_queue_depth is not None:
+        metrics.append(_pods_metric(ADAPTER_QUEUE_METRIC, auto.target_queue_depth))
+    if auto.target_ttft_seconds is not None:
+        metrics.append(_pods_metric(ADAPTER_TTFT_METRIC, auto.target_ttft_seconds))
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(owner),
+        "spec": {
+            "scaleTargetRef": _scale_target(owner),
+            "minReplicas": max(auto.min_replicas, 1),
+            "maxReplicas": auto.max_replicas,
+            "metrics": metrics,
+            "behavior": _behavior(spec),
+        },
+    }
+
+
+def _pods_metric(name: str, target: float) -> dict[str, Any]:
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": name},
+            "target": {"type": "AverageValue", "averageValue": quantity(target)},
+        },
+    }
+
+
+def keda_queries(owner: Owner, window_seconds: int) -> dict[str, str]:
+    """The PromQL of the KEDA triggers: the builtin autoscaler's, over this InferenceService's Ready
+    pods as kube-state-metrics reports them (`kube_pod_status_ready`)."""
+    pods = f'namespace="{owner.namespace}",pod=~"{owner.name}-[a-z0-9]+-[a-z0-9]+"'
+    ready = f'on (namespace, pod) group_left () kube_pod_status_ready{{{pods},condition="true"}}'
+    bucket = f"rate(conveyor:time_to_first_token_seconds_bucket{{{pods}}}[{window_seconds}s])"
+    return {
+        "queue": f"sum(conveyor:num_requests_waiting{{{pods}}} * {ready})",
+        "ttft": f"histogram_quantile(0.9, sum by (le) ({bucket} * {ready}))",
+    }
+
+
+def render_scaled_object(
+    owner: Owner, spec: InferenceServiceSpec, prometheus_url: str | None
+) -> dict[str, Any]:
+    """A KEDA ScaledObject (keda.sh/v1alpha1) with Prometheus triggers on the same PromQL as the
+    builtin autoscaler: queue depth as AverageValue (per replica), p90 TTFT as Value (ratio to the
+    target times replicas). `ignoreNullValues: "false"` makes an empty result an error, so the HPA
+    KEDA drives holds its replicas instead of reading 0."""
+    auto = spec.autoscaling
+    assert auto is not None
+    server = prometheus_url or DEFAULT_PROMETHEUS_URL
+    promql = keda_queries(owner, auto.ttft_window_seconds)
+    triggers = []
+    if auto.target_queue_depth is not None:
+        triggers.append(_prometheus_trigger(server, promql["queue"], auto.target_queue_depth, "AverageValue"))
+    if auto.target_ttft_seconds is not None:
+        triggers.append(_prometheus_trigger(server, promql["ttft"], auto.target_ttft_seconds, "Value"))
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _metadata(owner),
+        "spec": {
+            "scaleTargetRef": _scale_target(owner),
+            "minReplicaCount": auto.min_replicas,
+            "maxReplicaCount": auto.max_replicas,
+            "pollingInterval": 15,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(spec)}},
+            "triggers": triggers,
+        },
+    }
+
+
+def _prometheus_trigger(server: str, query: str, threshold: float, metric_type: str) -> dict[str, Any]:
+    return {
+        "type": "prometheus",
+        "metricType": metric_type,
+        "metadata": {
+            "serverAddress": server,
+            "query": query,
+            "threshold": f"{threshold:g}",
+            "ignoreNullValues": "false",
+        },
+    }
+
+
 def render_all(
     owner: Owner,
     spec: InferenceServiceSpec,
     plan: SpecPlan,
-    replicas: int,
+    replicas: int | None,
     *,
     service_monitor: bool,
+    scaled_object: bool = False,
+    prometheus_url: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child object, in apply order; the ServiceMonitor only when its API exists."""
+    """Every child object, in apply order: the ServiceMonitor only when its API exists; an HPA or a
+    ScaledObject (when KEDA's API exists) for `autoscaling.engine` hpa or keda."""
     objects = [
         render_deployment(owner, spec, plan, replicas),
         render_service(owner),
@@ -293,4 +423,9 @@ def render_all(
     ]
     if service_monitor:
         objects.append(render_service_monitor(owner))
+    engine = spec.autoscaling.engine if spec.autoscaling is not None else None
+    if engine == "hpa":
+        objects.append(render_hpa(owner, spec))
+    if engine == "keda" and scaled_object:
+        objects.append(render_scaled_object(owner, spec, prometheus_url))
     return objects

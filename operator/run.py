@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import kopf
+import prometheus_client
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,19 +48,56 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
+    parser.add_argument(
+        "--prometheus-url",
+        metavar="URL",
+        default=os.environ.get("CONVEYOR_PROMETHEUS_URL"),
+        help="Prometheus server the builtin autoscaler queries (env CONVEYOR_PROMETHEUS_URL); "
+        "without it autoscaled resources hold their replicas with MetricsAvailable=False",
+    )
+    parser.add_argument(
+        "--autoscale-interval",
+        metavar="SECONDS",
+        type=float,
+        default=15.0,
+        help="seconds between two builtin-autoscaler steps of one InferenceService (default 15)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8081,
+        help="port of the operator's own Prometheus metrics at /metrics (0: off; default 8081)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
 
+class _QuietTimer(logging.Filter):
+    """Drops kopf's "Timer 'autoscale' succeeded." line, logged every autoscaling step."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("Timer 'autoscale'") and record.levelno <= logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the operator until interrupted; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One line per Prometheus query and per timer run would drown the decisions in the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("kopf.objects").addFilter(_QuietTimer())
+    if args.autoscale_interval <= 0:
+        parser.error("--autoscale-interval must be > 0")
     # Importing registers the handlers with kopf's default registry.
-    import conveyor.operator.handlers  # noqa: F401
+    from conveyor.operator import handlers
+
+    handlers.configure_autoscaler(args.prometheus_url, args.autoscale_interval)
+    if args.metrics_port:
+        prometheus_client.start_http_server(args.metrics_port)
 
     namespaces = list(args.namespace)
     kopf.run(

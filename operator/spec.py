@@ -111,31 +111,129 @@ class EngineSpec(_CamelModel):
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments for `conveyor serve`.")
 
 
+class ScalingPolicy(_CamelModel):
+    """One rate limit of autoscaling/v2 `HPAScalingPolicy`: at most `value` pods (or percent of the
+    replicas at the start of the period) added or removed per `periodSeconds`."""
+
+    type: Literal["Pods", "Percent"]
+    value: int = Field(ge=1, description="Pods, or percent of the replicas at the period's start.")
+    period_seconds: int = Field(ge=1, le=1800, description="Length of the sliding period.")
+
+
+class ScalingRules(_CamelModel):
+    """autoscaling/v2 `HPAScalingRules` for one direction; unset fields take that direction's default."""
+
+    stabilization_window_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=3600,
+        description="Recommendations of this long are smoothed (up: lowest, down: highest); "
+        "default 0 up, 300 down.",
+    )
+    select_policy: Literal["Max", "Min", "Disabled"] = Field(
+        default="Max",
+        description="Which policy wins: the one allowing the most change (Max), the least, "
+        "or no scaling in this direction.",
+    )
+    policies: list[ScalingPolicy] | None = Field(
+        default=None,
+        min_length=1,
+        description="Rate limits; default up: max(100 %, 4 pods) per 15 s, down: 1 pod per 15 s.",
+    )
+
+
+class ScalingBehavior(_CamelModel):
+    """autoscaling/v2 `HorizontalPodAutoscalerBehavior`, also rendered as is for the hpa and keda engines."""
+
+    scale_up: ScalingRules = Field(default_factory=ScalingRules)
+    scale_down: ScalingRules = Field(default_factory=ScalingRules)
+
+
+# The defaults of the Horizontal Pod Autoscaler, except scale-down: one pod per period, not 100 %.
+DEFAULT_SCALE_UP = ScalingRules(
+    stabilization_window_seconds=0,
+    select_policy="Max",
+    policies=[
+        ScalingPolicy(type="Percent", value=100, period_seconds=15),
+        ScalingPolicy(type="Pods", value=4, period_seconds=15),
+    ],
+)
+DEFAULT_SCALE_DOWN = ScalingRules(
+    stabilization_window_seconds=300,
+    select_policy="Max",
+    policies=[ScalingPolicy(type="Pods", value=1, period_seconds=15)],
+)
+
+
+def resolved_rules(rules: ScalingRules, default: ScalingRules) -> ScalingRules:
+    """`rules` with its unset fields taken from `default`."""
+    return ScalingRules(
+        stabilization_window_seconds=(
+            rules.stabilization_window_seconds
+            if rules.stabilization_window_seconds is not None
+            else default.stabilization_window_seconds
+        ),
+        select_policy=rules.select_policy,
+        policies=rules.policies if rules.policies is not None else default.policies,
+    )
+
+
 class AutoscalingSpec(_CamelModel):
-    """Replica bounds and the latency/queue targets the autoscaler keeps."""
+    """Replica bounds, the latency/queue targets the autoscaler keeps, and who does the scaling."""
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas")
+                _cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+                _cel(
+                    "has(self.targetTTFTSeconds) || has(self.targetQueueDepth)",
+                    "set targetTTFTSeconds, targetQueueDepth or both",
+                ),
             ]
         }
     )
 
+    engine: Literal["builtin", "hpa", "keda"] = Field(
+        default="builtin",
+        description="Who writes replicas: the operator (builtin), an autoscaling/v2 HPA on Pods metrics "
+        "from Prometheus Adapter (hpa), or a KEDA ScaledObject with Prometheus triggers (keda).",
+    )
+    mode: Literal["Active", "Advisory"] = Field(
+        default="Active",
+        description="Advisory: the builtin autoscaler computes and records decisions but never writes replicas.",
+    )
     min_replicas: int = Field(default=1, ge=0, description="Fewest replicas.")
     max_replicas: int = Field(ge=1, description="Most replicas.")
     target_ttft_seconds: float | None = Field(
         default=None, alias="targetTTFTSeconds", gt=0, description="Target p90 time to first token."
     )
     target_queue_depth: float | None = Field(
-        default=None, gt=0, description="Target waiting requests per replica."
+        default=None, gt=0, description="Target waiting requests per Ready replica."
     )
-    scale_up_stabilization_seconds: int = Field(
-        default=0, ge=0, description="Window over which scale-up recommendations are smoothed."
+    ttft_window_seconds: int = Field(
+        default=60,
+        ge=5,
+        le=3600,
+        alias="ttftWindowSeconds",
+        description="Window of the TTFT histogram's rate() that the p90 is taken over.",
     )
-    scale_down_stabilization_seconds: int = Field(
-        default=300, ge=0, description="Window over which scale-down recommendations are smoothed."
+    tolerance: float = Field(
+        default=0.1, ge=0, lt=1, description="Metric ratios within 1 +- tolerance leave replicas alone."
     )
+    behavior: ScalingBehavior = Field(
+        default_factory=ScalingBehavior,
+        description="Stabilization windows and rate limits, as autoscaling/v2 HPA behavior.",
+    )
+
+    @property
+    def scale_up(self) -> ScalingRules:
+        """Scale-up rules with defaults filled in."""
+        return resolved_rules(self.behavior.scale_up, DEFAULT_SCALE_UP)
+
+    @property
+    def scale_down(self) -> ScalingRules:
+        """Scale-down rules with defaults filled in."""
+        return resolved_rules(self.behavior.scale_down, DEFAULT_SCALE_DOWN)
 
 
 class Toleration(_CamelModel):
@@ -216,6 +314,53 @@ class CapacityStatus(_CamelModel):
     )
 
 
+class ObservedMetrics(_CamelModel):
+    """What the autoscaler read from Prometheus at `time`; absent fields were unknown."""
+
+    time: str
+    ready_pods: int = Field(description="Pods Ready when the metrics were read (the query's scope).")
+    ttft_p90_seconds: float | None = Field(default=None, alias="ttftP90Seconds")
+    request_rate: float | None = Field(default=None, description="Requests started per second.")
+    queue_depth: float | None = Field(default=None, description="Waiting requests over the Ready pods.")
+    running_requests: float | None = None
+    kv_cache_usage: float | None = Field(default=None, description="Mean KV-cache usage (0-1).")
+    errors: dict[str, str] = Field(default_factory=dict, description="Queries without a usable value.")
+
+
+class DecisionRecord(_CamelModel):
+    """One autoscaling decision."""
+
+    time: str
+    from_replicas: int = Field(alias="from")
+    to: int
+    reason: str
+    message: str
+
+
+class RecommendationRecord(_CamelModel):
+    """A replica recommendation kept for the stabilization windows (Unix seconds)."""
+
+    at: float
+    replicas: int
+
+
+class ScaleEventRecord(_CamelModel):
+    """A change of replicas kept for the rate limits (Unix seconds, signed change)."""
+
+    at: float
+    change: int
+
+
+class AutoscalerStatus(_CamelModel):
+    """The builtin autoscaler's state: its last reading, its last decisions, and the history its
+    stabilization windows and rate limits need (so an operator restart loses nothing)."""
+
+    metrics: ObservedMetrics | None = None
+    decisions: list[DecisionRecord] = Field(default_factory=list, description="Newest last, at most 5.")
+    recommendations: list[RecommendationRecord] = Field(default_factory=list)
+    scale_events: list[ScaleEventRecord] = Field(default_factory=list)
+
+
 class InferenceServiceStatus(_CamelModel):
     """Observed state of an InferenceService, written by the operator."""
 
@@ -224,6 +369,13 @@ class InferenceServiceStatus(_CamelModel):
     capacity: CapacityStatus | None = None
     replicas: int | None = None
     ready_replicas: int | None = None
+    desired_replicas: int | None = Field(
+        default=None, description="Replicas wanted now: the spec's, or the autoscaler's last decision."
+    )
+    last_scale_time: str | None = Field(
+        default=None, description="When the autoscaler last changed replicas."
+    )
+    autoscaler: AutoscalerStatus | None = None
     url: str | None = None
     selector: str | None = None
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.operator.autoscaler import Decision, History, Recommendation, ScaleEvent
 from conveyor.operator.catalog import GiB
+from conveyor.operator.metrics import Reading
 from conveyor.operator.plan import SpecPlan
 from conveyor.operator.render import selector_string, service_url
 from conveyor.operator.spec import InferenceServiceSpec
@@ -142,8 +144,12 @@ def build_status(
     deployment: dict[str, Any] | None,
     previous: dict[str, Any],
     now: str,
+    scaling_problem: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The full `.status` object.
+
+    `scaling_problem` is `(reason, message)` when the configured autoscaler cannot run (its API is
+    missing); it becomes the Scaling condition.
 
     Either `plan` is set (capacity planned) or `failure` is `(reason, message)` for a spec that cannot
     be planned; `deployment` is the live Deployment object or None. `previous` is the current status.
@@ -181,6 +187,10 @@ def build_status(
             )
             for t in (READY, SCALING)
         ]
+    if scaling_problem is not None:
+        workload[1] = make_condition(
+            SCALING, False, *scaling_problem, generation=generation, now=now, previous=conditions_before
+        )
     if plan is None and deployment is None:
         # Nothing runs, so Ready says why: the capacity plan failed.
         workload[0] = make_condition(
@@ -192,13 +202,138 @@ def build_status(
             now=now,
             previous=conditions_before,
         )
-    _, current, ready, _, _ = _replica_counts(deployment)
+    desired, current, ready, _, _ = _replica_counts(deployment)
+    conditions = [planned, *workload]
+    builtin = spec is not None and spec.autoscaling is not None and spec.autoscaling.engine == "builtin"
+    if builtin:
+        # Scaling and MetricsAvailable tell the autoscaler's last decision once it has made one.
+        for index, condition in enumerate(conditions):
+            kept = next((c for c in conditions_before if c.get("type") == condition["type"]), None)
+            if condition["type"] == SCALING and kept is not None and (previous.get("autoscaler") or {}):
+                conditions[index] = kept
+        conditions += [c for c in conditions_before if c.get("type") == METRICS_AVAILABLE]
+        desired = previous.get("desiredReplicas", desired)
     return {
         "observedGeneration": generation,
-        "conditions": [planned, *workload],
+        "conditions": conditions,
+        "desiredReplicas": desired if deployment is not None else None,
+        # The autoscaler's own fields; cleared once the builtin autoscaler no longer runs.
+        "lastScaleTime": previous.get("lastScaleTime") if builtin else None,
+        "autoscaler": previous.get("autoscaler") if builtin else None,
         "capacity": capacity_status(plan) if plan is not None else None,
         "replicas": current,
         "readyReplicas": ready,
         "url": service_url(name, namespace) if deployment is not None else None,
         "selector": selector_string(name),
     }
+
+
+METRICS_AVAILABLE = "MetricsAvailable"
+# Decisions kept in `status.autoscaler.decisions`.
+DECISIONS_KEPT = 5
+
+
+def history_from_status(status: dict[str, Any]) -> History:
+    """The autoscaler's history as stored in `status.autoscaler` (empty when there is none)."""
+    stored = status.get("autoscaler") or {}
+    return History(
+        recommendations=tuple(
+            Recommendation(float(r["at"]), int(r["replicas"])) for r in stored.get("recommendations") or []
+        ),
+        scale_events=tuple(
+            ScaleEvent(float(e["at"]), int(e["change"])) for e in stored.get("scaleEvents") or []
+        ),
+    )
+
+
+def _metrics_status(reading: Reading, ready: int, now: str) -> dict[str, Any]:
+    o = reading.observation
+    values = {
+        "ttftP90Seconds": o.ttft_p90_seconds,
+        "requestRate": o.request_rate,
+        "queueDepth": o.queue_depth,
+        "runningRequests": o.running_requests,
+        "kvCacheUsage": o.kv_cache_usage,
+    }
+    metrics: dict[str, Any] = {"time": now, "readyPods": ready}
+    metrics.update({k: round(v, 4) for k, v in values.items() if v is not None})
+    if reading.errors:
+        metrics["errors"] = dict(reading.errors)
+    return metrics
+
+
+def autoscaler_status(
+    *,
+    previous: dict[str, Any],
+    decision: Decision,
+    reading: Reading,
+    history: History,
+    current: int,
+    ready: int,
+    acted: bool,
+    generation: int | None,
+    now: str,
+) -> dict[str, Any]:
+    """The status fields one autoscaling step writes (a merge patch over `previous`).
+
+    `acted` is False under `mode: Advisory` (the decision is recorded, not applied). Conditions not
+    owned by the autoscaler are carried over unchanged.
+    """
+    stored = previous.get("autoscaler") or {}
+    decisions = list(stored.get("decisions") or [])
+    changed = decision.replicas != current
+    last = decisions[-1] if decisions else None
+    if (
+        changed
+        or last is None
+        or (last.get("reason"), last.get("to")) != (decision.reason, decision.replicas)
+    ):
+        decisions.append(
+            {
+                "time": now,
+                "from": current,
+                "to": decision.replicas,
+                "reason": decision.reason,
+                "message": decision.message,
+            }
+        )
+    conditions_before = previous.get("conditions") or []
+    converging = changed or ready != current
+    prefix = "" if acted else "Advisory (replicas not written): "
+    scaling = make_condition(
+        SCALING,
+        converging,
+        decision.reason,
+        prefix + decision.message,
+        generation=generation,
+        now=now,
+        previous=conditions_before,
+    )
+    if decision.metrics_available and not reading.errors:
+        available = (True, "PrometheusQueried", "every targeted signal was read")
+    elif decision.metrics_available:
+        details = "; ".join(f"{k}: {v}" for k, v in sorted(reading.errors.items()))
+        available = (True, "PartialMetrics", details)
+    else:
+        details = "; ".join(f"{k}: {v}" for k, v in sorted(reading.errors.items())) or "no data"
+        available = (False, "MetricsUnavailable", f"holding {current} replicas: {details}")
+    metrics_condition = make_condition(
+        METRICS_AVAILABLE, *available, generation=generation, now=now, previous=conditions_before
+    )
+    owned = {SCALING: scaling, METRICS_AVAILABLE: metrics_condition}
+    conditions = [owned.pop(c["type"], c) for c in conditions_before] + list(owned.values())
+    patch: dict[str, Any] = {
+        "conditions": conditions,
+        "desiredReplicas": decision.replicas,
+        "autoscaler": {
+            "metrics": _metrics_status(reading, ready, now),
+            "decisions": decisions[-DECISIONS_KEPT:],
+            "recommendations": [
+                {"at": r.at_seconds, "replicas": r.replicas} for r in history.recommendations
+            ],
+            "scaleEvents": [{"at": e.at_seconds, "change": e.change} for e in history.scale_events],
+        },
+    }
+    if changed and acted:
+        patch["lastScaleTime"] = now
+    return patch

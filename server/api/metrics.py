@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.server.engine.request import Request
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
@@ -38,7 +38,7 @@ class EngineMetrics:
         r, m = self.registry, ["model_name"]
         mb = ["model_name", "input_length_bucket"]
 
-        def hist(name: str, doc: str, labels: list[str], buckets=_LATENCY_BUCKETS) -> Histogram:
+        def hist(name: str, doc: str, labels: list[str], buckets=LATENCY_BUCKETS) -> Histogram:
             return Histogram(f"conveyor:{name}", doc, labels, buckets=buckets, registry=r)
 
         self.ttft = hist(

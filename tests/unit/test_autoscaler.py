@@ -1,88 +1,216 @@
 """The autoscaling decision (HPA algorithm over TTFT and queue depth), without Prometheus or a cluster."""
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.operator.autoscaler import Observation, Recommendation, decide, metric_ratio, recommend
+from conveyor.operator.autoscaler import History, Observation, Recommendation, ScaleEvent, decide, recommend
 from conveyor.operator.spec import AutoscalingSpec
 
 
 def spec(**kwargs: object) -> AutoscalingSpec:
-    values = {
+    values: dict[str, object] = {
         "minReplicas": 1,
         "maxReplicas": 10,
         "targetTTFTSeconds": 0.5,
         "targetQueueDepth": 4,
-        "scaleUpStabilizationSeconds": 0,
-        "scaleDownStabilizationSeconds": 300,
     }
     values.update(kwargs)
     return AutoscalingSpec.model_validate(values)
 
 
-def test_ratio_is_the_worse_of_ttft_and_queue_per_replica() -> None:
-    # TTFT at 2x target; 24 waiting over 3 replicas is 8 per replica, 2x the target of 4.
-    assert metric_ratio(spec(), 3, Observation(ttft_p90_seconds=1.0, queue_depth=24)) == pytest.approx(2.0)
-    assert metric_ratio(spec(), 3, Observation(ttft_p90_seconds=0.25, queue_depth=36)) == pytest.approx(3.0)
-    assert metric_ratio(spec(targetQueueDepth=None), 3, Observation(0.25, 36)) == pytest.approx(0.5)
-    assert metric_ratio(spec(), 3, Observation(None, None)) is None
+def step(
+    s: AutoscalingSpec,
+    current: int,
+    obs: Observation,
+    history: History | None = None,
+    now: float = 0.0,
+    ready: int | None = None,
+):
+    return decide(s, current, current if ready is None else ready, obs, history or History(), now)
+
+
+def test_defaults_are_the_hpa_behavior_with_one_pod_down_per_period() -> None:
+    s = spec()
+    assert s.tolerance == 0.1
+    assert s.scale_up.stabilization_window_seconds == 0
+    assert s.scale_down.stabilization_window_seconds == 300
+    assert [(p.type, p.value, p.period_seconds) for p in s.scale_up.policies or []] == [
+        ("Percent", 100, 15),
+        ("Pods", 4, 15),
+    ]
+    assert [(p.type, p.value, p.period_seconds) for p in s.scale_down.policies or []] == [("Pods", 1, 15)]
+    # Setting one field of a direction keeps that direction's other defaults.
+    s = spec(behavior={"scaleDown": {"stabilizationWindowSeconds": 60}})
+    assert s.scale_down.stabilization_window_seconds == 60
+    assert s.scale_down.policies == spec().scale_down.policies
 
 
 @pytest.mark.parametrize(
-    ("current", "observation", "expected"),
+    ("current", "ready", "observation", "expected", "reason"),
     [
-        (2, Observation(1.0, 0), 4),  # TTFT twice the target: double
-        (2, Observation(0.52, 0), 2),  # within the 10% tolerance: stay
-        (4, Observation(0.1, 0), 1),  # far below target: ceil(4 x 0.2) = 1
-        (8, Observation(5.0, 0), 10),  # clamped to maxReplicas
-        (3, Observation(None, None), 3),  # no metrics: stay
+        (2, 2, Observation(1.0, 0, 1.0), 4, None),  # TTFT twice the target: double
+        (3, 3, Observation(0.25, 36, 1.0), 9, None),  # 36 waiting / 3 = 12 per replica, 3x target 4
+        (2, 2, Observation(0.52, 0, 1.0), 2, "WithinTolerance"),
+        (4, 4, Observation(0.1, 0, 1.0), 1, None),  # ceil(4 x 0.2) = 1
+        (8, 8, Observation(5.0, 0, 1.0), 10, None),  # clamped to maxReplicas
+        (3, 3, Observation(None, None), 3, "MetricsUnavailable"),
+        (4, 4, Observation(None, 0, 0.0), 1, None),  # no request in the window: idle, not unknown
+        (4, 4, Observation(None, 0, 2.0), 4, "PartialMetrics"),  # requests but no p90: no scale-down
+        (4, 4, Observation(None, 40, 2.0), 10, None),  # ... but the known queue may still scale up
+        (4, 2, Observation(0.75, 0, 1.0), 4, "WaitingForPendingReplicas"),  # ceil(2 x 1.5) = 3 <= 4
+        (4, 2, Observation(1.5, 0, 1.0), 6, None),  # ceil(2 x 3) = 6 > 4 pending: add
+        (3, 0, Observation(None, 5), 3, "WaitingForReadyReplicas"),
     ],
 )
-def test_recommend(current: int, observation: Observation, expected: int) -> None:
-    assert recommend(spec(), current, observation)[0] == expected
+def test_recommend(
+    current: int, ready: int, observation: Observation, expected: int, reason: str | None
+) -> None:
+    replicas, _, got_reason, _ = recommend(spec(), current, ready, observation)
+    assert (replicas, got_reason) == (expected, reason)
 
 
-def test_scaled_to_zero_wakes_on_waiting_requests() -> None:
+def test_ready_zero_with_waiting_requests_wakes_one() -> None:
     zero_ok = spec(minReplicas=0)
-    assert recommend(zero_ok, 0, Observation(None, 0))[0] == 0
-    assert recommend(zero_ok, 0, Observation(None, 3))[0] == 1
+    decision, _ = step(zero_ok, 0, Observation(None, 0))
+    assert decision.replicas == 0
+    decision, _ = step(zero_ok, 0, Observation(None, 3))
+    assert (decision.replicas, decision.reason) == (1, "ScaleFromZero")
+    decision, _ = step(spec(minReplicas=2), 0, Observation(None, 3))
+    assert decision.replicas == 2
+
+
+def test_unknown_metrics_hold_and_say_so() -> None:
+    decision, history = step(spec(), 5, Observation(None, None), now=10)
+    assert (decision.replicas, decision.reason, decision.metrics_available) == (
+        5,
+        "MetricsUnavailable",
+        False,
+    )
+    assert "unknown" in decision.message
+    # A hold is not a recommendation: it does not fill the stabilization window.
+    assert history.recommendations == ()
 
 
 def test_scale_up_is_immediate_and_scale_down_waits_for_the_window() -> None:
     s = spec()
-    decision, history = decide(s, 2, Observation(1.0, 0), [], now_seconds=0)
+    decision, history = step(s, 2, Observation(1.0, 0, 1.0), now=0)
     assert (decision.replicas, decision.reason) == (4, "ScaleUp")
+    assert "p90 TTFT 1.000s" in decision.message
 
     # Load drops right away: the scale-down window still remembers the recommendation of 4.
-    decision, history = decide(s, 4, Observation(0.1, 0), history, now_seconds=30)
+    decision, history = step(s, 4, Observation(0.1, 0, 1.0), history, now=30)
     assert decision.recommended == 1
-    assert (decision.replicas, decision.reason) == (4, "Stabilizing")
+    assert (decision.replicas, decision.reason) == (4, "ScaleDownStabilizing")
 
-    # After the 300 s window only low recommendations remain.
-    decision, history = decide(s, 4, Observation(0.1, 0), history, now_seconds=331)
-    assert (decision.replicas, decision.reason) == (1, "ScaleDown")
-    assert all(331 - r.at_seconds <= 300 for r in history)
+    # After the 300 s window only low recommendations remain; one pod goes per 15 s period.
+    decision, history = step(s, 4, Observation(0.1, 0, 1.0), history, now=331)
+    assert (decision.replicas, decision.reason) == (3, "ScaleDown")
+    assert "limited to -1 by behavior.scaleDown" in decision.message
+    decision, history = step(s, 3, Observation(0.1, 0, 1.0), history, now=340)
+    assert (decision.replicas, decision.reason) == (3, "ScaleDownLimited")
+    decision, history = step(s, 3, Observation(0.1, 0, 1.0), history, now=347)
+    assert decision.replicas == 2
+    assert all(347 - r.at_seconds <= 300 for r in history.recommendations)
 
 
 def test_scale_up_window_takes_the_lowest_recent_recommendation() -> None:
-    s = spec(scaleUpStabilizationSeconds=60)
-    history = [Recommendation(0, 3), Recommendation(30, 6)]
-    decision, _ = decide(s, 2, Observation(1.0, 0), history, now_seconds=50)
+    s = spec(behavior={"scaleUp": {"stabilizationWindowSeconds": 60}})
+    history = History(recommendations=(Recommendation(0, 3), Recommendation(30, 6)))
+    decision, _ = step(s, 2, Observation(1.0, 0, 1.0), history, now=50)
     assert decision.recommended == 4
     assert decision.replicas == 3
 
 
+def test_scale_up_rate_is_max_of_100_percent_and_4_pods_per_period() -> None:
+    s = spec(maxReplicas=100)
+    # From 2: +100 % is 4, +4 pods is 6: the larger wins.
+    decision, history = step(s, 2, Observation(10.0, 0, 1.0), now=0)
+    assert decision.replicas == 6
+    # Within the same 15 s period the 4 added pods count against the limit (start of period: 2).
+    decision, history = step(s, 6, Observation(10.0, 0, 1.0), history, now=5, ready=6)
+    assert (decision.replicas, decision.reason) == (6, "ScaleUpLimited")
+    # A new period starts from 6: +100 % = 12.
+    decision, _ = step(s, 6, Observation(10.0, 0, 1.0), history, now=16, ready=6)
+    assert decision.replicas == 12
+
+
+def test_disabled_direction_never_moves() -> None:
+    s = spec(behavior={"scaleDown": {"selectPolicy": "Disabled", "stabilizationWindowSeconds": 0}})
+    decision, _ = step(s, 5, Observation(0.05, 0, 1.0))
+    assert decision.replicas == 5
+
+
+def test_noisy_constant_load_does_not_oscillate() -> None:
+    """A load that needs 4 replicas, measured with +-8 % noise, scaled every 15 s for an hour."""
+    import random
+
+    rng = random.Random(7)
+    s = spec()
+    current, history, changes = 4, History(), 0
+    for tick in range(240):
+        ttft = 0.5 * (1 + rng.uniform(-0.08, 0.08))
+        decision, history = step(s, current, Observation(ttft, 0, 3.0), history, now=tick * 15.0)
+        changes += decision.replicas != current
+        current = decision.replicas
+    assert changes == 0
+
+
+def test_a_spike_then_quiet_scales_down_only_after_the_window_and_by_the_rate_limit() -> None:
+    s = spec()
+    current, history, timeline = 2, History(), []
+    for tick in range(60):
+        now = tick * 15.0
+        obs = Observation(3.0, 0, 1.0) if tick == 0 else Observation(0.05, 0, 1.0)
+        decision, history = step(s, current, obs, history, now=now)
+        timeline.append((now, current, decision.replicas))
+        current = decision.replicas
+    downs = [(t, a, b) for t, a, b in timeline if b < a]
+    assert timeline[0][2] == 6  # 2 -> 6 at once (+4 pods beats +100 %)
+    assert downs and downs[0][0] > 300  # nothing goes before the 300 s window has passed
+    assert all(a - b == 1 for _, a, b in downs)  # one pod per period
+    assert current == 1
+
+
+@settings(max_examples=300, deadline=None)
 @given(
-    current=st.integers(1, 20),
+    current=st.integers(0, 20),
+    ready_frac=st.floats(0, 1),
     ttft=st.one_of(st.none(), st.floats(0, 100)),
     queue=st.one_of(st.none(), st.floats(0, 1000)),
+    rate=st.one_of(st.none(), st.floats(0, 10)),
     low=st.integers(0, 5),
     extra=st.integers(0, 10),
+    past=st.lists(st.tuples(st.floats(0, 600), st.integers(0, 20)), max_size=10),
+    events=st.lists(st.tuples(st.floats(0, 600), st.integers(-5, 5)), max_size=5),
 )
-def test_recommendation_stays_within_bounds(
-    current: int, ttft: float | None, queue: float | None, low: int, extra: int
+def test_decision_stays_within_bounds_and_holds_without_metrics(
+    current: int,
+    ready_frac: float,
+    ttft: float | None,
+    queue: float | None,
+    rate: float | None,
+    low: int,
+    extra: int,
+    past: list[tuple[float, int]],
+    events: list[tuple[float, int]],
 ) -> None:
     s = spec(minReplicas=low, maxReplicas=max(low, 1) + extra)
-    replicas, _ = recommend(s, current, Observation(ttft, queue))
-    assert s.min_replicas <= replicas <= s.max_replicas
+    ready = int(current * ready_frac)
+    history = History(
+        tuple(Recommendation(t, min(max(r, s.min_replicas), s.max_replicas)) for t, r in sorted(past)),
+        tuple(ScaleEvent(t, c) for t, c in sorted(events)),
+    )
+    decision, _ = decide(s, current, ready, Observation(ttft, queue, rate), history, 600.0)
+    assert s.min_replicas <= decision.replicas <= s.max_replicas
+    if not decision.metrics_available and s.min_replicas <= current <= s.max_replicas:
+        assert decision.replicas == current
+    if decision.replicas != current:
+        assert decision.reason in ("ScaleUp", "ScaleDown", "ScaleFromZero")
+
+
+@given(current=st.integers(1, 20), ratio=st.floats(0.91, 1.09))
+def test_inside_tolerance_nothing_changes(current: int, ratio: float) -> None:
+    s = spec(maxReplicas=20, targetQueueDepth=None)
+    decision, _ = step(s, current, Observation(0.5 * ratio, None, 1.0))
+    assert decision.replicas == current

@@ -30,8 +30,11 @@ class FakeCluster:
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.isvc)
 
-    def has_service_monitor_api(self) -> bool:
-        return self.service_monitor
+    def has_api(self, api_version: str, kind: str) -> bool:
+        return kind == "ServiceMonitor" and self.service_monitor
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        return self.objects.pop((kind, name), None) is not None
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.objects.get((kind, name)))

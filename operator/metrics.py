@@ -1,0 +1,152 @@
+"""Prometheus -> autoscaler observations (the I/O shell around `autoscaler.decide`).
+
+Reads the Prometheus HTTP API (`GET /api/v1/query`, instant queries) for the series the server exports
+(DESIGN.md, "Metrics"), selected by `namespace` and `pod` — the target labels a Prometheus Operator
+ServiceMonitor (or Kubernetes pod discovery) attaches — and restricted to the pods that are Ready
+*now*, by name, so the series of deleted or starting pods never count:
+
+    p90 TTFT     histogram_quantile(0.9, sum by (le) (rate(conveyor:time_to_first_token_seconds_bucket{S}[W])))
+    request rate sum(rate(conveyor:time_to_first_token_seconds_count{S}[W]))
+    queue depth  sum by (pod) (conveyor:num_requests_waiting{S})
+    running      sum(conveyor:num_requests_running{S})
+    KV usage     avg(conveyor:kv_cache_usage_perc{S})
+
+A timeout, an HTTP or PromQL error, an empty vector, NaN or Inf are "unknown" (None), never 0. When
+fewer Ready pods report a queue than are Ready (a pod not scraped yet), the queue depth is the mean
+of those that do times the Ready count.
+
+The operator's own series (decisions by reason, query errors, last decision time) live here too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client import Counter, Gauge
+
+from conveyor.operator.autoscaler import Observation
+
+TTFT = "conveyor:time_to_first_token_seconds"
+WAITING = "conveyor:num_requests_waiting"
+RUNNING = "conveyor:num_requests_running"
+KV_USAGE = "conveyor:kv_cache_usage_perc"
+
+DECISIONS = Counter(
+    "conveyor_operator_autoscaler_decisions",
+    "Autoscaling decisions, by reason.",
+    ["namespace", "inferenceservice", "reason"],
+)
+QUERY_ERRORS = Counter(
+    "conveyor_operator_prometheus_query_errors",
+    "Prometheus queries that failed or returned no usable value.",
+    ["namespace", "inferenceservice", "query"],
+)
+LAST_DECISION = Gauge(
+    "conveyor_operator_autoscaler_last_decision_timestamp_seconds",
+    "Unix time of the last autoscaling decision.",
+    ["namespace", "inferenceservice"],
+)
+DESIRED = Gauge(
+    "conveyor_operator_autoscaler_desired_replicas",
+    "Replicas the autoscaler decided on last.",
+    ["namespace", "inferenceservice"],
+)
+
+
+def selector(namespace: str, pods: list[str]) -> str:
+    """The label matchers of `pods` in `namespace` (pod names are exact, dots escaped for RE2)."""
+    names = "|".join(sorted(p.replace(".", "\\\\.") for p in pods))
+    return f'namespace="{namespace}",pod=~"{names}"'
+
+
+def queries(namespace: str, pods: list[str], window_seconds: int) -> dict[str, str]:
+    """PromQL for each signal, over the Ready `pods`."""
+    s = selector(namespace, pods)
+    w = f"{window_seconds}s"
+    return {
+        "ttft_p90": f"histogram_quantile(0.9, sum by (le) (rate({TTFT}_bucket{{{s}}}[{w}])))",
+        "request_rate": f"sum(rate({TTFT}_count{{{s}}}[{w}]))",
+        "queue": f"sum by (pod) ({WAITING}{{{s}}})",
+        "running": f"sum({RUNNING}{{{s}}})",
+        "kv_usage": f"avg({KV_USAGE}{{{s}}})",
+    }
+
+
+class QueryError(Exception):
+    """A Prometheus query that failed (connection, HTTP status, PromQL error)."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One observation and what went wrong while taking it (empty when nothing did)."""
+
+    observation: Observation
+    errors: dict[str, str]
+
+
+class PrometheusSource:
+    """Instant queries against one Prometheus server's HTTP API.
+
+    url: the server's base URL (e.g. http://prometheus-operated.monitoring:9090). timeout_seconds
+    bounds each query, so one slow Prometheus never stalls the operator for long.
+    """
+
+    def __init__(self, url: str, timeout_seconds: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._client = httpx.Client(timeout=timeout_seconds)
+
+    def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
+        """The instant vector of `promql` as [(labels, value)]; raises QueryError."""
+        try:
+            response = self._client.get(f"{self.url}/api/v1/query", params={"query": promql})
+        except httpx.HTTPError as exc:
+            raise QueryError(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise QueryError(f"HTTP {response.status_code}: not JSON") from exc
+        if response.status_code != 200 or body.get("status") != "success":
+            raise QueryError(f"HTTP {response.status_code}: {body.get('error', body)}")
+        data = body.get("data") or {}
+        if data.get("resultType") == "scalar":
+            return [({}, float(data["result"][1]))]
+        return [(item.get("metric", {}), float(item["value"][1])) for item in data.get("result", [])]
+
+    def observe(self, namespace: str, pods: list[str], window_seconds: int) -> Reading:
+        """The Observation of `pods` (Ready now); every signal that cannot be read is None."""
+        if not pods:
+            return Reading(Observation(None, None), {"pods": "no Ready pods"})
+        values: dict[str, float | None] = {}
+        errors: dict[str, str] = {}
+        queue_pods = 0
+        for name, promql in queries(namespace, pods, window_seconds).items():
+            try:
+                vector = self.query(promql)
+            except QueryError as exc:
+                values[name], errors[name] = None, str(exc)
+                continue
+            finite = [v for _, v in vector if math.isfinite(v)]
+            if not finite:
+                values[name] = None
+                errors[name] = "no data" if not vector else "NaN"
+            elif name == "queue":
+                queue_pods = len(finite)
+                values[name] = sum(finite) / queue_pods * max(len(pods), queue_pods)
+            else:
+                values[name] = finite[0]
+        # A NaN p90 while no request arrived is idleness, not an error.
+        if values.get("request_rate") == 0 and errors.get("ttft_p90") == "NaN":
+            errors.pop("ttft_p90")
+        observation = Observation(
+            ttft_p90_seconds=values.get("ttft_p90"),
+            queue_depth=values.get("queue"),
+            request_rate=values.get("request_rate"),
+            running_requests=values.get("running"),
+            kv_cache_usage=values.get("kv_usage"),
+        )
+        return Reading(observation, errors)
+
+    def close(self) -> None:
+        self._client.close()
