@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test bench bench-peers lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
+.PHONY: serve test bench bench-peers bench-autoscale lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ bench-peers: $(STAMP)
 # The CUDA path on a GPU machine in one run (hack/gpu-check/run.sh); prints the report's path last.
 gpu-check:
 	bash hack/gpu-check/run.sh
+
+# The builtin autoscaler on simulated traces calibrated on this machine (benchmarks/autoscale.py);
+# writes benchmarks/results/<date>/autoscale*.{json,png}; the last line reads `ramp: attainment=...`.
+bench-autoscale: $(STAMP) cxx
+	$(PY) -m conveyor.benchmarks.autoscale $(BENCH_ARGS)
 
 # Wheels for a GPU machine without network whose Python 3.12 has torch, triton and transformers.
 gpu-check-wheels: $(STAMP)

@@ -4,25 +4,27 @@ meets the same SLOs.
     python -m conveyor.benchmarks.autoscale [--out DIR] [--recalibrate] [--quick]
 
 1. **Calibration** (saved as `calibration.json` in the output folder and reused; `--recalibrate`
-   measures again): the real engine on the embedded model steps through batches of mixed prefill and
-   decode; a least-squares fit gives the step time as `base + per_decode x decode sequences +
-   per_prefill_token x prefill tokens`. `conveyor serve` is started once to time its readiness (start
-   to first `/health` 200): a new replica's time-to-ready.
+   measures again): `conveyor serve` is started twice to time its readiness (start to first `/health`
+   200), a new replica's time-to-ready; then the real engine on the embedded model runs pure prefill
+   steps (64 to 2048 tokens) and pure decode steps (1 to 64 sequences at a context of ~256 tokens),
+   and the medians become the simulated replicas' step times.
 2. **SLOs** from this engine's unloaded TTFT and TPOT (one request alone on a replica), scaled by the
    ratio of llm-d's SLOs (P90 TTFT <= 3 s, P90 TPOT <= 100 ms) to an 8B model's unloaded TTFT and TPOT
-   on its GPUs (about 0.3 s and 10 ms): `SLO_SCALE` x unloaded for both.
+   on its GPUs (about 0.3 s and 10 ms): `SLO_SCALE` x unloaded for both. Each replica runs the largest
+   `max_num_seqs` whose decode step stays within 30 % of the TPOT SLO (`--max-num-seqs` overrides).
 3. **Capacity**: the peak rate at which a static pool of 8 replicas still reaches the attainment goal,
    found by bisection; llm-d's ramp (2, 4, 6, 8, 10, 4, 1 requests/s for 330, 360, 360, 360, 360, 360,
    300 s) is scaled so that its peak is that rate, i.e. the peak needs 8 replicas.
 4. **Traces**: the ramp; a burst (base load, 90 s at 3x, base again); a sinusoid; and the ramp with
-   Prometheus down for 120 s at its peak. Each runs under the builtin autoscaler (`AUTOSCALING`,
-   bounds 3-8 as in llm-d's run) and, for comparison, static pools from small to large until one
-   reaches the attainment goal.
+   Prometheus down for 120 s across the drop from its peak. Each runs, for `--seeds` Poisson arrival seeds, under the
+   builtin autoscaler (`autoscaling_for`: bounds 3-8 as in llm-d's run) and, for comparison, static
+   pools from small to large until one reaches the attainment goal.
 
 Prints one table row per trace (combined attainment = the fraction of requests meeting both SLOs,
 time-averaged replicas counting starting and draining ones, replicas of the smallest static pool that
 meets the goal, scale events), writes `autoscale.json` and one PNG per trace (load, replicas, p90 TTFT
-over time), and ends with `ramp: attainment=A avg_replicas=R static_replicas=S`.
+over time, first seed), and ends with `ramp: attainment=A avg_replicas=R static_replicas=S` (means
+over the seeds; static: the largest any seed needed).
 """
 
 from __future__ import annotations
@@ -60,31 +62,43 @@ LLMD_STATIC = 8
 SLO_SCALE = 10.0
 GOAL = 0.96
 PROMPT_LEN, OUTPUT_LEN = 256, 128
-# The autoscaler as the benchmark runs it: the bounds of llm-d's run, the defaults otherwise except a
-# 60 s scale-down window (the HPA's 300 s would keep the peak's replicas 4 minutes into each drop).
-AUTOSCALING = {
-    "minReplicas": 3,
-    "maxReplicas": 8,
-    "targetQueueDepth": 2,
-    "ttftWindowSeconds": 30,
-    "behavior": {"scaleDown": {"stabilizationWindowSeconds": 60}},
-}
+
+
+def autoscaling_for(capacity_rps: float, slo: tuple[float, float]) -> dict:
+    """The autoscaler as the benchmark runs it: llm-d's bounds (3-8); requests/s per replica at 90 %
+    of one replica's capacity measured in this run, the p90 TTFT SLO and 4 waiting per replica as
+    guards; a 30 s TTFT/rate window and a 30 s scale-down window (the defaults otherwise)."""
+    return {
+        "minReplicas": 3,
+        "maxReplicas": 8,
+        "targetRequestsPerSecond": round(0.9 * capacity_rps, 4),
+        "targetTTFTSeconds": round(slo[0], 4),
+        "targetQueueDepth": 4,
+        "ttftWindowSeconds": 30,
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 30}},
+    }
 
 
 @dataclass
 class Calibration:
-    """What the simulation takes from this machine. Seconds; CPU flags name the machine."""
+    """What the simulation takes from this machine: step times (seconds) of pure decode steps by batch
+    size and of pure prefill steps by tokens, and `conveyor serve`'s time to ready (seconds)."""
 
-    base_s: float
-    per_decode_s: float
-    per_prefill_token_s: float
-    max_num_seqs: int
+    decode_s: list[list[float]]
+    prefill_s: list[list[float]]
     max_num_batched_tokens: int
     time_to_ready_s: float
-    fit_r2: float
     num_steps: int
     cpu: str
     measured_at: str
+
+    def step_model(self, max_num_seqs: int) -> StepModel:
+        return StepModel(
+            tuple((int(n), s) for n, s in self.decode_s),
+            tuple((int(n), s) for n, s in self.prefill_s),
+            max_num_seqs,
+            self.max_num_batched_tokens,
+        )
 
 
 def cpu_description() -> str:
@@ -97,44 +111,16 @@ def cpu_description() -> str:
     return f"{platform.machine()} {' '.join(sorted(flags)) or 'no avx2/avx512'}"
 
 
-def calibrate(max_num_seqs: int, max_num_batched_tokens: int) -> Calibration:
-    """Fit the step model to the real engine (embedded model, float32 on CPU) and time `conveyor serve`'s
-    start-up."""
+def calibrate(max_batch: int, max_num_batched_tokens: int) -> Calibration:
+    """Time `conveyor serve`'s start-up, then the real engine's steps (embedded model, the server's
+    default dtype): pure prefill steps of 64 to `max_num_batched_tokens` tokens, pure decode steps of
+    1 to `max_batch` sequences at a context of about PROMPT_LEN tokens. Medians per size."""
     from conveyor.benchmarks.server_process import ConveyorServer
     from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from conveyor.server.engine.engine import LLMEngine
     from conveyor.server.engine.request import SamplingParams
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=ModelConfig(max_model_len=2048),
-            cache=CacheConfig(kv_cache_memory=1 << 30),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
-            ),
-        )
-    )
-    rng = np.random.default_rng(0)
-    vocab = engine.model.shape.vocab_size
-    rows, times = [], []
-    # Waves of requests: mixed steps (new prompts arriving while others decode) and pure decode steps.
-    for wave, batch in enumerate((1, 4, 8, 16, 32, max_num_seqs)):
-        for i in range(batch):
-            prompt = rng.integers(0, vocab, int(rng.integers(PROMPT_LEN // 2, PROMPT_LEN * 3 // 2))).tolist()
-            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-            engine.add_request(f"w{wave}-{i}", prompt, params)
-            if i % 4 == 3:
-                _timed_step(engine, rows, times)
-        while engine.has_unfinished_requests():
-            _timed_step(engine, rows, times)
-    x = np.array([[1.0, d, p] for d, p in rows])
-    y = np.array(times)
-    # Drop the first steps (warm-up) from the fit.
-    coef, *_ = np.linalg.lstsq(x[5:], y[5:], rcond=None)
-    predicted = x[5:] @ coef
-    r2 = 1 - float(np.sum((y[5:] - predicted) ** 2) / np.sum((y[5:] - y[5:].mean()) ** 2))
-    del engine
-
+    # Start-up first: an engine in this process would compete with the server for the cores.
     with tempfile.TemporaryDirectory() as tmp:
         starts = []
         for _ in range(2):
@@ -142,45 +128,91 @@ def calibrate(max_num_seqs: int, max_num_batched_tokens: int) -> Calibration:
             started = time.monotonic()
             with server:
                 starts.append(time.monotonic() - started)
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(max_model_len=4096),
+            cache=CacheConfig(kv_cache_memory=2 << 30),
+            scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_num_batched_tokens),
+        )
+    )
+    rng = np.random.default_rng(0)
+    vocab = engine.model.shape.vocab_size
+    ids = iter(range(1 << 30))
+    steps: list[tuple[int, int, float]] = []
+
+    def run(requests: list[tuple[int, int]]) -> None:
+        for prompt_len, max_tokens in requests:
+            prompt = rng.integers(0, vocab, prompt_len).tolist()
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(f"calibration-{next(ids)}", prompt, params)
+        while engine.has_unfinished_requests():
+            _timed_step(engine, steps)
+
+    run([(64, 4)] * 4)  # warm-up
+    steps.clear()
+    prefill = {}
+    for tokens in (64, 128, 256, 512, 1024, max_num_batched_tokens):
+        steps.clear()
+        for _ in range(3):
+            run([(tokens, 1)])
+        prefill[tokens] = statistics.median(t for d, p, t in steps if d == 0 and p == tokens)
+    decode = {}
+    for batch in sorted({1, 2, 4, 8, 16, 32, 48, max_batch}):
+        steps.clear()
+        run([(PROMPT_LEN, 16)] * batch)
+        decode[batch] = statistics.median(t for d, p, t in steps if d == batch and p == 0)
     return Calibration(
-        base_s=max(float(coef[0]), 0.0),
-        per_decode_s=max(float(coef[1]), 0.0),
-        per_prefill_token_s=max(float(coef[2]), 0.0),
-        max_num_seqs=max_num_seqs,
+        decode_s=[[n, s] for n, s in sorted(decode.items())],
+        prefill_s=[[n, s] for n, s in sorted(prefill.items())],
         max_num_batched_tokens=max_num_batched_tokens,
         time_to_ready_s=statistics.median(starts),
-        fit_r2=r2,
-        num_steps=len(rows) - 5,
+        num_steps=len(steps),
         cpu=cpu_description(),
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
 
 
-def _timed_step(engine, rows: list[tuple[int, int]], times: list[float]) -> None:
+def _timed_step(engine, steps: list[tuple[int, int, float]]) -> None:
+    """One engine step: (decode sequences, prefill tokens, seconds) appended to `steps`."""
+    before = engine.stats.num_steps
     started = time.perf_counter()
     engine.step()
     elapsed = time.perf_counter() - started
-    record = engine.stats.recent_steps[-1] if engine.stats.recent_steps else None
-    if record is None or not record.scheduled:
-        return
+    if engine.stats.num_steps == before:
+        return  # nothing was scheduled
+    record = engine.stats.recent_steps[-1]
     decodes = sum(1 for _, n in record.scheduled if n == 1)
     prefill = sum(n for _, n in record.scheduled if n > 1)
-    rows.append((decodes, prefill))
-    times.append(elapsed)
+    steps.append((decodes, prefill, elapsed))
 
 
 @dataclass
 class TraceResult:
+    """One trace over several arrival seeds: means, except static_replicas (the most any seed needed)."""
+
     name: str
     attainment: float
     avg_replicas: float
     static_replicas: int | None
-    static_attainment: float | None
-    scale_events: int
+    scale_events: float
     p90_ttft_s: float
     p90_tpot_s: float
     num_requests: int
+    per_seed: list[dict[str, float]]
     min_replicas_during_outage: int | None = None
+
+
+def _static_replicas(
+    config: SimConfig, arrivals: list[Arrival], duration: float, slo, start: int
+) -> int | None:
+    """The smallest static pool reaching GOAL on `arrivals`."""
+    for n in range(max(start, 1), start + 12):
+        static = simulate(
+            SimConfig(config.model, config.time_to_ready_s), arrivals, duration, None, static_replicas=n
+        )
+        if static.attainment(*slo) >= GOAL:
+            return n
+    return None
 
 
 def run_trace(
@@ -189,39 +221,48 @@ def run_trace(
     stages: list[tuple[float, float]],
     slo: tuple[float, float],
     spec: AutoscalingSpec,
-    static_from: int,
     out: Path,
-    seed: int,
-) -> tuple[TraceResult, SimResult]:
-    arrivals = poisson_arrivals(stages, PROMPT_LEN, OUTPUT_LEN, seed)
+    seeds: int,
+) -> TraceResult:
     duration = sum(d for d, _ in stages)
-    auto = simulate(config, arrivals, duration, spec)
-    attainment = auto.attainment(*slo)
-    static_n, static_att = None, None
-    for n in range(max(static_from, 1), spec.max_replicas + 5):
-        att = simulate(
-            SimConfig(config.model, config.time_to_ready_s), arrivals, duration, None, static_replicas=n
+    per_seed, statics, outage_min = [], [], []
+    for seed in range(seeds):
+        arrivals = poisson_arrivals(stages, PROMPT_LEN, OUTPUT_LEN, seed)
+        auto = simulate(config, arrivals, duration, spec)
+        done = [r for r in auto.requests if r.finish_s is not None]
+        per_seed.append(
+            {
+                "seed": seed,
+                "attainment": auto.attainment(*slo),
+                "avg_replicas": auto.avg_replicas,
+                "scale_events": auto.scale_events,
+                "p90_ttft_s": float(np.percentile([r.ttft_s for r in done], 90)),
+                "p90_tpot_s": float(np.percentile([r.tpot_s for r in done], 90)),
+                "num_requests": len(auto.requests),
+            }
         )
-        if att.attainment(*slo) >= GOAL:
-            static_n, static_att = n, att.attainment(*slo)
-            break
-    done = [r for r in auto.requests if r.finish_s is not None]
-    result = TraceResult(
+        statics.append(_static_replicas(config, arrivals, duration, slo, spec.min_replicas))
+        if config.outages:
+            start, end = config.outages[0]
+            outage_min.append(min(n for t, n, _ in auto.timeline if start <= t < end))
+        if seed == 0:
+            plot(out / f"autoscale_{name}.png", name, arrivals, auto, stages, slo)
+
+    def mean(key: str) -> float:
+        return float(np.mean([r[key] for r in per_seed]))
+
+    return TraceResult(
         name=name,
-        attainment=attainment,
-        avg_replicas=auto.avg_replicas,
-        static_replicas=static_n,
-        static_attainment=static_att,
-        scale_events=auto.scale_events,
-        p90_ttft_s=float(np.percentile([r.ttft_s for r in done], 90)) if done else float("nan"),
-        p90_tpot_s=float(np.percentile([r.tpot_s for r in done], 90)) if done else float("nan"),
-        num_requests=len(auto.requests),
+        attainment=mean("attainment"),
+        avg_replicas=mean("avg_replicas"),
+        static_replicas=None if None in statics else max(statics),
+        scale_events=mean("scale_events"),
+        p90_ttft_s=mean("p90_ttft_s"),
+        p90_tpot_s=mean("p90_tpot_s"),
+        num_requests=int(mean("num_requests")),
+        per_seed=per_seed,
+        min_replicas_during_outage=min(outage_min) if outage_min else None,
     )
-    if config.outages:
-        start, end = config.outages[0]
-        result.min_replicas_during_outage = min(n for t, n, _ in auto.timeline if start <= t < end)
-    plot(out / f"autoscale_{name}.png", name, arrivals, auto, stages, slo)
-    return result, auto
 
 
 def plot(
@@ -267,7 +308,8 @@ def plot(
 
 def peak_rate_for(config: SimConfig, replicas: int, slo: tuple[float, float], seconds: float) -> float:
     """The largest Poisson rate (requests/s) a static pool of `replicas` serves at >= GOAL attainment."""
-    one = 1.0 / config.model.step_s(1, PROMPT_LEN)  # generous upper start: prefill-bound rate of one
+    # Twice the prefill-bound rate of one replica: surely more than it serves.
+    one = 2.0 / (config.model.per_prefill_token_s * PROMPT_LEN)
     lo, hi = 0.0, one * replicas
     for _ in range(12):
         mid = (lo + hi) / 2
@@ -289,7 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--recalibrate", action="store_true", help="measure the engine again")
     parser.add_argument("--calibration", type=Path, default=None, help="read the calibration from this file")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="max_num_seqs of each replica")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="max_num_seqs of each simulated replica (default: the largest batch within half the TPOT SLO)",
+    )
+    parser.add_argument("--seeds", type=int, default=4, help="arrival seeds per trace (results are means)")
+    parser.add_argument("--calibration-max-batch", type=int, default=64, help="largest decode batch measured")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(
         "--quick", action="store_true", help="the ramp only, time-compressed 10x (a smoke run)"
@@ -304,23 +353,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibration: {cal_path} ({calibration.measured_at}, {calibration.cpu})", flush=True)
     else:
         print("calibrating the engine and conveyor serve's start-up ...", flush=True)
-        calibration = calibrate(args.max_num_seqs, args.max_num_batched_tokens)
+        calibration = calibrate(args.calibration_max_batch, args.max_num_batched_tokens)
         (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
-    model = StepModel(
-        calibration.base_s,
-        calibration.per_decode_s,
-        calibration.per_prefill_token_s,
-        calibration.max_num_seqs,
-        calibration.max_num_batched_tokens,
-    )
-    config = SimConfig(model, calibration.time_to_ready_s)
-    ttft0, tpot0 = model.unloaded(PROMPT_LEN, OUTPUT_LEN)
+    probe = calibration.step_model(args.max_num_seqs or 1)
+    ttft0, tpot0 = probe.unloaded(PROMPT_LEN, OUTPUT_LEN)
     slo = (SLO_SCALE * ttft0, SLO_SCALE * tpot0)
+    # As a latency-bound deployment is sized: the largest decode batch whose step takes at most 30 % of
+    # the TPOT SLO, leaving the rest for the prefill chunks that share its steps.
+    max_num_seqs = args.max_num_seqs or probe.largest_batch_within(0.3 * slo[1])
+    model = calibration.step_model(max_num_seqs)
+    config = SimConfig(model, calibration.time_to_ready_s)
+    decode = ", ".join(f"{int(n)}: {s * 1e3:.1f}" for n, s in calibration.decode_s)
+    prefill = ", ".join(f"{int(n)}: {s * 1e3:.0f}" for n, s in calibration.prefill_s)
     print(
-        f"step = {model.base_s * 1e3:.2f} ms + {model.per_decode_s * 1e3:.3f} ms/decode seq + "
-        f"{model.per_prefill_token_s * 1e6:.1f} us/prefill token (R^2 {calibration.fit_r2:.3f}); "
-        f"time to ready {calibration.time_to_ready_s:.1f} s; unloaded TTFT {ttft0 * 1e3:.0f} ms, "
-        f"TPOT {tpot0 * 1e3:.1f} ms; SLO: P90 TTFT <= {slo[0]:.2f} s, TPOT <= {slo[1] * 1e3:.0f} ms",
+        f"decode step ms by batch {{{decode}}}; prefill step ms by tokens {{{prefill}}}; "
+        f"time to ready {calibration.time_to_ready_s:.1f} s",
+        flush=True,
+    )
+    print(
+        f"unloaded TTFT {ttft0 * 1e3:.0f} ms, TPOT {tpot0 * 1e3:.1f} ms -> SLO P90 TTFT <= {slo[0]:.2f} s, "
+        f"TPOT <= {slo[1] * 1e3:.0f} ms; replicas run max_num_seqs {max_num_seqs}",
         flush=True,
     )
     compress = 10.0 if args.quick else 1.0
@@ -336,29 +388,34 @@ def main(argv: list[str] | None = None) -> int:
             [(30, unit * (5.5 + 4.5 * np.sin(2 * np.pi * (i * 30) / 900))) for i in range(60)],
             config,
         )
-        peak_start = sum(d for d, _ in LLMD_RAMP[:4])
-        outage = SimConfig(model, calibration.time_to_ready_s, outages=((peak_start + 60, peak_start + 180),))
+        # Prometheus down across the drop from the peak: read as 0 the pool would fall to its minimum.
+        drop = sum(d for d, _ in LLMD_RAMP[:5])
+        outage = SimConfig(model, calibration.time_to_ready_s, outages=((drop - 60, drop + 60),))
         traces["outage"] = (ramp, outage)
-    spec = AutoscalingSpec.model_validate(AUTOSCALING)
+    spec = AutoscalingSpec.model_validate(autoscaling_for(peak / LLMD_STATIC, slo))
     results = []
-    header = f"{'trace':10} {'attainment':>10} {'avg_repl':>9} {'static':>7} {'events':>7} {'p90 TTFT':>9} {'p90 TPOT':>9}"
+    header = (
+        f"{'trace':10} {'attainment':>10} {'avg_repl':>9} {'static':>7} {'events':>7} "
+        f"{'p90 TTFT':>9} {'p90 TPOT':>9}   (means over {args.seeds} arrival seeds)"
+    )
     print(header)
-    for seed, (name, (stages, trace_config)) in enumerate(traces.items()):
-        result, _ = run_trace(name, trace_config, stages, slo, spec, 3, out, seed)
+    for name, (stages, trace_config) in traces.items():
+        result = run_trace(name, trace_config, stages, slo, spec, out, args.seeds)
         results.append(result)
         static = result.static_replicas if result.static_replicas is not None else "-"
         print(
             f"{name:10} {result.attainment:10.3f} {result.avg_replicas:9.2f} {static!s:>7} "
-            f"{result.scale_events:7d} {result.p90_ttft_s:9.3f} {result.p90_tpot_s * 1e3:7.1f}ms",
+            f"{result.scale_events:7.1f} {result.p90_ttft_s:9.3f} {result.p90_tpot_s * 1e3:7.1f}ms",
             flush=True,
         )
         if result.min_replicas_during_outage is not None:
-            print(f"{'':10} replicas held during the outage: min {result.min_replicas_during_outage}")
+            print(f"{'':10} replicas during the outage never fell below {result.min_replicas_during_outage}")
     report = {
         "calibration": asdict(calibration),
         "slo": {"ttft_s": slo[0], "tpot_s": slo[1], "scale": SLO_SCALE, "goal": GOAL},
         "peak_rate": peak,
-        "autoscaling": AUTOSCALING,
+        "max_num_seqs": max_num_seqs,
+        "autoscaling": spec.model_dump(by_alias=True, exclude_none=True),
         "traces": [asdict(r) for r in results],
     }
     (out / "autoscale.json").write_text(json.dumps(report, indent=2) + "\n")

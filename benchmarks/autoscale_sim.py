@@ -4,15 +4,15 @@ Everything but the decision is a model, and each model is calibrated or mirrors 
 
 - **Replica**: a continuous-batching engine stepping like `conveyor serve`'s scheduler (every running
   sequence decodes one token per step; waiting prompts are prefilled FCFS in chunks within
-  `max_num_batched_tokens`; at most `max_num_seqs` running). A step lasts
-  `base + per_decode * decode_seqs + per_prefill_token * prefill_tokens` seconds, fitted to the real
-  engine on this machine (`benchmarks/autoscale.py` calibrates it). A new replica serves after the
+  `max_num_batched_tokens`; at most `max_num_seqs` running). Step times come from the real engine on
+  this machine (`StepModel`; `benchmarks/autoscale.py` measures them). A new replica serves after the
   measured time-to-ready of `conveyor serve`; a removed one stops taking requests and drains.
 - **Load balancing**: each arrival goes to the Ready replica with the fewest outstanding requests
   (as an inference-aware router does); with no Ready replica it waits for one.
 - **Prometheus**: scrapes every Ready replica every `scrape_interval_s` (the TTFT histogram with the
   server's buckets, and the `num_requests_waiting` gauge); an instant query reads the last scrape;
-  `rate()` over a window is the increase between the first and last sample inside it;
+  `rate()` over a window is the increase between the first and last sample inside it over the time
+  between them (Prometheus extrapolates it to the window);
   `histogram_quantile` interpolates linearly inside the bucket as Prometheus does. During an outage
   every query fails.
 - **Autoscaler**: the operator's own `conveyor.operator.autoscaler.decide`, every `interval_s`, on the
@@ -35,18 +35,36 @@ from conveyor.operator.spec import AutoscalingSpec
 from conveyor.server.api.metrics import LATENCY_BUCKETS
 
 
+def _interp(table: tuple[tuple[int, float], ...], x: float) -> float:
+    """Piecewise-linear through (x, y) points sorted by x, extended linearly past both ends."""
+    if len(table) == 1:
+        return table[0][1]
+    i = min(max(bisect.bisect_left([p[0] for p in table], x), 1), len(table) - 1)
+    (x0, y0), (x1, y1) = table[i - 1], table[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
 @dataclass(frozen=True)
 class StepModel:
-    """Engine step time in seconds: base + per_decode x decode sequences + per_prefill_token x tokens."""
+    """Engine step time in seconds, measured: pure decode steps by batch size (`decode_s`: (sequences,
+    seconds)), pure prefill steps by tokens (`prefill_s`: (tokens, seconds)). A mixed step costs the
+    decode batch's time plus the prefill tokens at the marginal per-token cost (the slope of `prefill_s`),
+    since the fixed cost of a forward pass is paid once."""
 
-    base_s: float
-    per_decode_s: float
-    per_prefill_token_s: float
+    decode_s: tuple[tuple[int, float], ...]
+    prefill_s: tuple[tuple[int, float], ...]
     max_num_seqs: int
     max_num_batched_tokens: int
 
+    @property
+    def per_prefill_token_s(self) -> float:
+        (x0, y0), (x1, y1) = self.prefill_s[0], self.prefill_s[-1]
+        return (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+
     def step_s(self, decode_seqs: int, prefill_tokens: int) -> float:
-        return self.base_s + self.per_decode_s * decode_seqs + self.per_prefill_token_s * prefill_tokens
+        if decode_seqs == 0:
+            return _interp(self.prefill_s, prefill_tokens)
+        return _interp(self.decode_s, decode_seqs) + self.per_prefill_token_s * prefill_tokens
 
     def unloaded(self, prompt_len: int, output_len: int) -> tuple[float, float]:
         """(TTFT, TPOT) in seconds of one request alone on a replica."""
@@ -56,6 +74,15 @@ class StepModel:
             ttft += self.step_s(0, chunk)
             left -= chunk
         return ttft, (self.step_s(1, 0) if output_len > 1 else 0.0)
+
+    def largest_batch_within(self, step_seconds: float) -> int:
+        """The most decode sequences whose step takes at most `step_seconds` (at least 1)."""
+        best = 1
+        for n in range(1, 1025):
+            if _interp(self.decode_s, n) > step_seconds:
+                break
+            best = n
+        return best
 
 
 @dataclass
@@ -168,6 +195,7 @@ class Scrape:
     ttft_buckets: tuple[int, ...]
     ttft_count: int
     waiting: int
+    running: int
 
 
 def histogram_quantile(q: float, increases: list[float]) -> float:
@@ -205,7 +233,8 @@ class PrometheusModel:
             return
         for r in replicas:
             if r.is_ready(now):
-                scrape = Scrape(now, tuple(r.ttft_buckets), r.ttft_count, len(r.waiting))
+                running = len(r.prefilling) + len(r.decoding)
+                scrape = Scrape(now, tuple(r.ttft_buckets), r.ttft_count, len(r.waiting), running)
                 self.series.setdefault(r.index, []).append(scrape)
 
     def observe(self, now: float, ready: list[Replica], window_s: float) -> Observation:
@@ -213,26 +242,34 @@ class PrometheusModel:
         if self.down(now) or not ready:
             return Observation(None, None)
         increases = [0.0] * (len(LATENCY_BUCKETS) + 1)
-        count_increase, has_rate, waiting = 0.0, False, []
+        rate, has_rate, waiting, running = 0.0, False, [], []
         for r in ready:
             samples = self.series.get(r.index, [])
             # Prometheus's 5-minute lookback: the newest sample counts for an instant query.
             if samples and now - samples[-1].at_s <= 300:
                 waiting.append(samples[-1].waiting)
+                running.append(samples[-1].running)
             inside = [
                 s for s in samples[-int(window_s / self.scrape_interval_s) - 2 :] if now - s.at_s < window_s
             ]
             if len(inside) >= 2:
                 has_rate = True
                 first, last = inside[0], inside[-1]
-                count_increase += last.ttft_count - first.ttft_count
+                # rate() extrapolates the increase between the samples to the whole window.
+                rate += (last.ttft_count - first.ttft_count) / (last.at_s - first.at_s)
                 for i in range(len(increases)):
                     increases[i] += last.ttft_buckets[i] - first.ttft_buckets[i]
         queue = sum(waiting) / len(waiting) * len(ready) if waiting else None
+        busy = sum(running) / len(running) * len(ready) if running else None
         if not has_rate:
-            return Observation(None, queue)
+            return Observation(None, queue, running_requests=busy)
         p90 = histogram_quantile(0.9, increases)
-        return Observation(None if math.isnan(p90) else p90, queue, request_rate=count_increase / window_s)
+        return Observation(
+            None if math.isnan(p90) else p90,
+            queue,
+            request_rate=rate,
+            running_requests=busy,
+        )
 
 
 @dataclass(frozen=True)

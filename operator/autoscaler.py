@@ -3,7 +3,8 @@
 The algorithm is the Horizontal Pod Autoscaler's (DESIGN.md, "Operator contract"; mirrored from
 kubernetes `pkg/controller/podautoscaler/horizontal.go`) over two signals of the Ready pods:
 
-    ratio   = max(ttft_p90 / targetTTFTSeconds, (queue_depth / ready) / targetQueueDepth)
+    ratio   = max(ttft_p90 / targetTTFTSeconds, (queue_depth / ready) / targetQueueDepth,
+                  (requests_per_second / ready) / targetRequestsPerSecond)   over the targets set
     raw     = ceil(ready * ratio)             unless |ratio - 1| <= tolerance (then raw = current)
     raw     = current  if ready < raw <= current (pods still starting are supply already)
     raw     = clamp(raw, minReplicas, maxReplicas)
@@ -37,9 +38,11 @@ class Observation:
     """Metrics of one InferenceService's Ready pods at one time; None where Prometheus has no data.
 
     ttft_p90_seconds: p90 of `conveyor:time_to_first_token_seconds` over the rate window (seconds).
-    request_rate: TTFT samples per second over the same window (0 = no request started: idle).
+    request_rate: TTFT samples per second over the same window: requests started per second (0 = idle;
+    a signal when targetRequestsPerSecond is set).
     queue_depth: sum of `conveyor:num_requests_waiting` (requests).
-    running_requests, kv_cache_usage: context for status, not used by the decision.
+    running_requests, kv_cache_usage: `conveyor:num_requests_running` summed and mean
+    `conveyor:kv_cache_usage_perc`, context for status only.
     """
 
     ttft_p90_seconds: float | None
@@ -110,6 +113,12 @@ def _signals(
             unknown.append("queue")
         elif ready > 0:
             known["queue"] = queue / ready / spec.target_queue_depth
+    if spec.target_requests_per_second is not None:
+        rate = observation.request_rate
+        if rate is None or not math.isfinite(rate):
+            unknown.append("rate")
+        elif ready > 0:
+            known["rate"] = rate / ready / spec.target_requests_per_second
     return known, unknown
 
 
@@ -132,6 +141,13 @@ def _describe(spec: AutoscalingSpec, ready: int, observation: Observation) -> st
             parts.append(
                 f"queue depth {queue:g} over {ready} ready{per} vs target {spec.target_queue_depth:g}"
             )
+    if spec.target_requests_per_second is not None:
+        rate = observation.request_rate
+        if rate is None or not math.isfinite(rate):
+            parts.append("request rate unknown")
+        else:
+            per = f" = {rate / ready:.2f}/replica" if ready else ""
+            parts.append(f"{rate:.2f} requests/s{per} vs target {spec.target_requests_per_second:g}")
     return "; ".join(parts)
 
 

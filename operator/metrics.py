@@ -8,12 +8,12 @@ ServiceMonitor (or Kubernetes pod discovery) attaches — and restricted to the 
     p90 TTFT     histogram_quantile(0.9, sum by (le) (rate(conveyor:time_to_first_token_seconds_bucket{S}[W])))
     request rate sum(rate(conveyor:time_to_first_token_seconds_count{S}[W]))
     queue depth  sum by (pod) (conveyor:num_requests_waiting{S})
-    running      sum(conveyor:num_requests_running{S})
+    running      sum by (pod) (conveyor:num_requests_running{S})
     KV usage     avg(conveyor:kv_cache_usage_perc{S})
 
 A timeout, an HTTP or PromQL error, an empty vector, NaN or Inf are "unknown" (None), never 0. When
-fewer Ready pods report a queue than are Ready (a pod not scraped yet), the queue depth is the mean
-of those that do times the Ready count.
+fewer Ready pods report a queue (or running requests) than are Ready (a pod not scraped yet), the sum
+is the mean of those that do times the Ready count.
 
 The operator's own series (decisions by reason, query errors, last decision time) live here too.
 """
@@ -69,7 +69,7 @@ def queries(namespace: str, pods: list[str], window_seconds: int) -> dict[str, s
         "ttft_p90": f"histogram_quantile(0.9, sum by (le) (rate({TTFT}_bucket{{{s}}}[{w}])))",
         "request_rate": f"sum(rate({TTFT}_count{{{s}}}[{w}]))",
         "queue": f"sum by (pod) ({WAITING}{{{s}}})",
-        "running": f"sum({RUNNING}{{{s}}})",
+        "running": f"sum by (pod) ({RUNNING}{{{s}}})",
         "kv_usage": f"avg({KV_USAGE}{{{s}}})",
     }
 
@@ -120,7 +120,6 @@ class PrometheusSource:
             return Reading(Observation(None, None), {"pods": "no Ready pods"})
         values: dict[str, float | None] = {}
         errors: dict[str, str] = {}
-        queue_pods = 0
         for name, promql in queries(namespace, pods, window_seconds).items():
             try:
                 vector = self.query(promql)
@@ -131,9 +130,9 @@ class PrometheusSource:
             if not finite:
                 values[name] = None
                 errors[name] = "no data" if not vector else "NaN"
-            elif name == "queue":
-                queue_pods = len(finite)
-                values[name] = sum(finite) / queue_pods * max(len(pods), queue_pods)
+            elif name in ("queue", "running"):
+                # Per pod: a Ready pod not scraped yet counts as the mean of those that are.
+                values[name] = sum(finite) / len(finite) * max(len(pods), len(finite))
             else:
                 values[name] = finite[0]
         # A NaN p90 while no request arrived is idleness, not an error.

@@ -186,8 +186,8 @@ class AutoscalingSpec(_CamelModel):
             "x-kubernetes-validations": [
                 _cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
                 _cel(
-                    "has(self.targetTTFTSeconds) || has(self.targetQueueDepth)",
-                    "set targetTTFTSeconds, targetQueueDepth or both",
+                    "has(self.targetTTFTSeconds) || has(self.targetQueueDepth) || has(self.targetRequestsPerSecond)",
+                    "set at least one of targetTTFTSeconds, targetQueueDepth, targetRequestsPerSecond",
                 ),
             ]
         }
@@ -209,6 +209,13 @@ class AutoscalingSpec(_CamelModel):
     )
     target_queue_depth: float | None = Field(
         default=None, gt=0, description="Target waiting requests per Ready replica."
+    )
+    target_requests_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        alias="targetRequestsPerSecond",
+        description="Target requests started per second per Ready replica (over ttftWindowSeconds); "
+        "independent of the replica count, so it does not feed back on itself.",
     )
     ttft_window_seconds: int = Field(
         default=60,

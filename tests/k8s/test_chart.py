@@ -88,6 +88,8 @@ def test_template_defaults(tmp_path: Path) -> None:
     assert args[0] == "operator"
     assert "--standalone" in args and "--all-namespaces" in args
     assert "--liveness=http://0.0.0.0:8080/healthz" in args
+    assert "--autoscale-interval=15" in args and "--metrics-port=8081" in args
+    assert not any(a.startswith("--prometheus-url") for a in args)
     (deployment,) = objects["Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "conveyor"
@@ -105,6 +107,8 @@ def test_template_namespaces_and_peering(tmp_path: Path) -> None:
     assert "--namespace=llm" in args and "--namespace=batch" in args
     assert "--all-namespaces" not in args
     assert "--peering=conveyor" in args and "--standalone" not in args
+    args = operator_args(rendered(tmp_path, "--set", "autoscaler.prometheusUrl=http://prom:9090"))
+    assert "--prometheus-url=http://prom:9090" in args
 
 
 # Every (verb, group, resource) the operator and kopf use. Checked with SubjectAccessReviews, which need
@@ -118,6 +122,13 @@ OPERATOR_PERMISSIONS: list[tuple[str, str, str]] = [
         for group, resource in [*_CHILDREN, ("monitoring.coreos.com", "servicemonitors")]
         for verb in ("get", "list", "watch", "create", "patch")
     ],
+    *[
+        (verb, group, resource)
+        for group, resource in [("autoscaling", "horizontalpodautoscalers"), ("keda.sh", "scaledobjects")]
+        for verb in ("get", "create", "patch", "delete")
+    ],
+    ("list", "", "pods"),
+    ("patch", "apps", "deployments/scale"),
     ("create", "", "events"),
     ("list", "apiextensions.k8s.io", "customresourcedefinitions"),
     ("watch", "", "namespaces"),

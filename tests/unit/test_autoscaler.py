@@ -214,3 +214,14 @@ def test_inside_tolerance_nothing_changes(current: int, ratio: float) -> None:
     s = spec(maxReplicas=20, targetQueueDepth=None)
     decision, _ = step(s, current, Observation(0.5 * ratio, None, 1.0))
     assert decision.replicas == current
+
+
+def test_requests_per_second_target_sizes_the_pool_from_the_arrival_rate() -> None:
+    s = spec(targetTTFTSeconds=None, targetQueueDepth=None, targetRequestsPerSecond=1.5)
+    # 9 requests/s over 3 Ready replicas = 3/replica, twice the target: 6 replicas.
+    decision, _ = step(s, 3, Observation(None, None, request_rate=9.0))
+    assert (decision.replicas, decision.reason) == (6, "ScaleUp")
+    assert "9.00 requests/s = 3.00/replica vs target 1.5" in decision.message
+    # Unknown rate: hold.
+    decision, _ = step(s, 3, Observation(None, None, request_rate=None))
+    assert (decision.replicas, decision.reason) == (3, "MetricsUnavailable")
