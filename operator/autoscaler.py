@@ -96,59 +96,48 @@ class Decision:
 
 def _signals(
     spec: AutoscalingSpec, ready: int, observation: Observation
-) -> tuple[dict[str, float], list[str]]:
-    """({signal: ratio} for the known targeted signals, [unknown targeted signals])."""
+) -> tuple[dict[str, float], list[str], str]:
+    """({signal: ratio} of the known targeted signals, [unknown targeted signals], a description).
+
+    Queue depth and request rate are per Ready replica, so they have no ratio while none is Ready.
+    """
     known: dict[str, float] = {}
     unknown: list[str] = []
-    if spec.target_ttft_seconds is not None:
-        if observation.ttft_p90_seconds is not None and math.isfinite(observation.ttft_p90_seconds):
-            known["ttft"] = observation.ttft_p90_seconds / spec.target_ttft_seconds
-        elif observation.request_rate == 0:
-            known["ttft"] = 0.0  # No request in the window: no latency pressure.
-        else:
-            unknown.append("ttft")
-    if spec.target_queue_depth is not None:
-        queue = observation.queue_depth
-        if queue is None or not math.isfinite(queue):
-            unknown.append("queue")
-        elif ready > 0:
-            known["queue"] = queue / ready / spec.target_queue_depth
-    if spec.target_requests_per_second is not None:
-        rate = observation.request_rate
-        if rate is None or not math.isfinite(rate):
-            unknown.append("rate")
-        elif ready > 0:
-            known["rate"] = rate / ready / spec.target_requests_per_second
-    return known, unknown
+    parts: list[str] = []
 
+    def finite(value: float | None) -> bool:
+        return value is not None and math.isfinite(value)
 
-def _describe(spec: AutoscalingSpec, ready: int, observation: Observation) -> str:
-    parts = []
+    def per_replica(name: str, value: float | None, target: float, text: str, fmt: str) -> None:
+        if not finite(value):
+            unknown.append(name)
+            parts.append(f"{text} unknown")
+            return
+        assert value is not None
+        per = f" = {value / ready:{fmt}}/replica" if ready else ""
+        parts.append(f"{text} {value:g} over {ready} ready{per} vs target {target:g}")
+        if ready > 0:
+            known[name] = value / ready / target
+
     if spec.target_ttft_seconds is not None:
         ttft = observation.ttft_p90_seconds
-        if ttft is not None and math.isfinite(ttft):
+        if finite(ttft):
+            assert ttft is not None
+            known["ttft"] = ttft / spec.target_ttft_seconds
             parts.append(f"p90 TTFT {ttft:.3f}s vs target {spec.target_ttft_seconds:g}s")
         elif observation.request_rate == 0:
+            known["ttft"] = 0.0  # No request in the window: no latency pressure.
             parts.append("no requests")
         else:
+            unknown.append("ttft")
             parts.append("p90 TTFT unknown")
     if spec.target_queue_depth is not None:
-        queue = observation.queue_depth
-        if queue is None or not math.isfinite(queue):
-            parts.append("queue depth unknown")
-        else:
-            per = f" = {queue / ready:.1f}/replica" if ready else ""
-            parts.append(
-                f"queue depth {queue:g} over {ready} ready{per} vs target {spec.target_queue_depth:g}"
-            )
+        per_replica("queue", observation.queue_depth, spec.target_queue_depth, "queue depth", ".1f")
     if spec.target_requests_per_second is not None:
         rate = observation.request_rate
-        if rate is None or not math.isfinite(rate):
-            parts.append("request rate unknown")
-        else:
-            per = f" = {rate / ready:.2f}/replica" if ready else ""
-            parts.append(f"{rate:.2f} requests/s{per} vs target {spec.target_requests_per_second:g}")
-    return "; ".join(parts)
+        rounded = round(rate, 2) if finite(rate) else rate
+        per_replica("rate", rounded, spec.target_requests_per_second, "requests/s", ".2f")
+    return known, unknown, "; ".join(parts)
 
 
 def _scale_up_limit(current: int, events: tuple[ScaleEvent, ...], rules: ScalingRules, now: float) -> int:
@@ -188,7 +177,7 @@ def recommend(
 ) -> tuple[int, float | None, str | None, bool]:
     """(clamped recommendation, ratio, reason that overrides the default one, metrics available)."""
     low, high = spec.min_replicas, spec.max_replicas
-    known, unknown = _signals(spec, ready, observation)
+    known, unknown, _ = _signals(spec, ready, observation)
     if ready == 0:
         waiting = observation.queue_depth
         if current == 0:
@@ -305,7 +294,7 @@ def decide(
     reason = _reason(spec, current, replicas, recommended, stabilized, ratio, reason)
     ratio_text = f", ratio {ratio:.2f}" if ratio is not None else ""
     message = (
-        f"{current} -> {replicas} replicas ({_describe(spec, ready, observation)}{ratio_text}; "
+        f"{current} -> {replicas} replicas ({_signals(spec, ready, observation)[2]}{ratio_text}; "
         f"recommended {recommended}{limited})"
     )
 

@@ -83,7 +83,11 @@ def _lock_for(namespace: str, name: str) -> threading.Lock:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _rfc3339(time.time())
+
+
+def _rfc3339(unix_seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(unix_seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _without_none(value: Any) -> Any:
@@ -227,6 +231,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    # Deleting an autoscaled InferenceService waits for its timer to stop (kopf's finalizer). A step
+    # caught mid-run (a few Prometheus queries) exits within a second; kopf's default would re-check
+    # only after 60 s.
+    settings.background.instant_exit_timeout = 0.5
+    settings.background.cancellation_polling = 1.0
     # Resource watches that never time out can go silently stale behind load balancers.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -331,7 +340,7 @@ def autoscale(
         logger.info("scaled %s/%s: %s", namespace, name, decision.message)
     memo[HISTORY_MEMO_KEY] = new_history
 
-    now = datetime.datetime.fromtimestamp(now_seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = _rfc3339(now_seconds)
     patch = autoscaler_status(
         previous=previous,
         decision=decision,

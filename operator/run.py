@@ -8,8 +8,10 @@ agree on one active instance through a (Cluster)KopfPeering object.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 import kopf
@@ -76,7 +78,7 @@ class _QuietTimer(logging.Filter):
     """Drops kopf's "Timer 'autoscale' succeeded." line, logged every autoscaling step."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("Timer 'autoscale'") and record.levelno <= logging.INFO)
+        return not (record.getMessage().startswith("Timer 'autoscale") and record.levelno <= logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # `kill -USR1 PID` prints every thread's stack to stderr: what a stuck operator is waiting for.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # One line per Prometheus query and per timer run would drown the decisions in the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").addFilter(_QuietTimer())

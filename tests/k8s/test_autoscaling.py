@@ -149,7 +149,7 @@ def auto(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield env
     finally:
         env.metrics.close()
-        operator.stop()
+        env.operator.stop()
         prometheus.stop()
         k8s.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
@@ -262,6 +262,33 @@ def test_prometheus_outage_holds_replicas_and_says_so(auto: AutoEnv) -> None:
     finally:
         auto.metrics.waiting.pop("outage", None)
         auto.delete("outage")
+
+
+def test_a_restarted_operator_keeps_the_scale_down_window(auto: AutoEnv, tmp_path: Path) -> None:
+    """The history the windows need is in status: a new operator does not forget the recent high
+    recommendations and scale down at once."""
+    window = {
+        "scaleDown": {
+            "stabilizationWindowSeconds": 25,
+            "policies": [{"type": "Pods", "value": 4, "periodSeconds": 1}],
+        }
+    }
+    auto.apply(autoscaled("restart", behavior=window))
+    try:
+        auto.wait_ready("restart")
+        auto.metrics.waiting["restart"] = 8
+        auto.eventually(lambda: auto.replicas("restart") == 4, "a scale-up to 4 replicas", timeout=60)
+        auto.operator.stop()
+        auto.metrics.waiting["restart"] = 0
+        quiet_at = time.monotonic()
+        args = ("--prometheus-url", auto.prometheus.url, "--autoscale-interval", "1")
+        auto.operator = Operator(auto.cluster, auto.namespace, tmp_path / "restarted.log", *args)
+        auto.eventually(lambda: auto.replicas("restart") == 1, "the scale-down after the window", timeout=90)
+        # The last high recommendation came just before the restart: nothing goes for ~25 s.
+        assert time.monotonic() - quiet_at >= 20
+    finally:
+        auto.metrics.waiting.pop("restart", None)
+        auto.delete("restart")
 
 
 def test_advisory_mode_records_without_writing_replicas(auto: AutoEnv) -> None:

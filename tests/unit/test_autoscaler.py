@@ -221,7 +221,7 @@ def test_requests_per_second_target_sizes_the_pool_from_the_arrival_rate() -> No
     # 9 requests/s over 3 Ready replicas = 3/replica, twice the target: 6 replicas.
     decision, _ = step(s, 3, Observation(None, None, request_rate=9.0))
     assert (decision.replicas, decision.reason) == (6, "ScaleUp")
-    assert "9.00 requests/s = 3.00/replica vs target 1.5" in decision.message
+    assert "requests/s 9 over 3 ready = 3.00/replica vs target 1.5" in decision.message
     # Unknown rate: hold.
     decision, _ = step(s, 3, Observation(None, None, request_rate=None))
     assert (decision.replicas, decision.reason) == (3, "MetricsUnavailable")
