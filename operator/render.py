@@ -288,6 +288,7 @@ def render_service_monitor(owner: Owner) -> dict[str, Any]:
 # (charts/conveyor/prometheus-adapter-values.yaml holds the matching rules).
 ADAPTER_QUEUE_METRIC = "conveyor_num_requests_waiting"
 ADAPTER_TTFT_METRIC = "conveyor_time_to_first_token_seconds_p90"
+ADAPTER_RATE_METRIC = "conveyor_requests_started_per_second"
 # Where KEDA's Prometheus triggers look when the operator is given no --prometheus-url
 # (kube-prometheus-stack's service).
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
@@ -315,8 +316,9 @@ def _scale_target(owner: Owner) -> dict[str, str]:
 
 def render_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     """An autoscaling/v2 HorizontalPodAutoscaler on Pods metrics from Prometheus Adapter: per-pod
-    waiting requests (AverageValue = targetQueueDepth) and per-pod p90 TTFT (AverageValue =
-    targetTTFTSeconds), with the spec's behavior. The HPA controller needs minReplicas >= 1."""
+    waiting requests (AverageValue = targetQueueDepth), per-pod p90 TTFT (AverageValue =
+    targetTTFTSeconds) and per-pod requests started per second (AverageValue =
+    targetRequestsPerSecond), with the spec's behavior. The HPA controller needs minReplicas >= 1."""
     auto = spec.autoscaling
     assert auto is not None
     metrics = []
@@ -324,6 +326,8 @@ def render_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
         metrics.append(_pods_metric(ADAPTER_QUEUE_METRIC, auto.target_queue_depth))
     if auto.target_ttft_seconds is not None:
         metrics.append(_pods_metric(ADAPTER_TTFT_METRIC, auto.target_ttft_seconds))
+    if auto.target_requests_per_second is not None:
+        metrics.append(_pods_metric(ADAPTER_RATE_METRIC, auto.target_requests_per_second))
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -354,9 +358,11 @@ def keda_queries(owner: Owner, window_seconds: int) -> dict[str, str]:
     pods = f'namespace="{owner.namespace}",pod=~"{owner.name}-[a-z0-9]+-[a-z0-9]+"'
     ready = f'on (namespace, pod) group_left () kube_pod_status_ready{{{pods},condition="true"}}'
     bucket = f"rate(conveyor:time_to_first_token_seconds_bucket{{{pods}}}[{window_seconds}s])"
+    started = f"rate(conveyor:time_to_first_token_seconds_count{{{pods}}}[{window_seconds}s])"
     return {
         "queue": f"sum(conveyor:num_requests_waiting{{{pods}}} * {ready})",
         "ttft": f"histogram_quantile(0.9, sum by (le) ({bucket} * {ready}))",
+        "rate": f"sum({started} * {ready})",
     }
 
 
@@ -364,8 +370,8 @@ def render_scaled_object(
     owner: Owner, spec: InferenceServiceSpec, prometheus_url: str | None
 ) -> dict[str, Any]:
     """A KEDA ScaledObject (keda.sh/v1alpha1) with Prometheus triggers on the same PromQL as the
-    builtin autoscaler: queue depth as AverageValue (per replica), p90 TTFT as Value (ratio to the
-    target times replicas). `ignoreNullValues: "false"` makes an empty result an error, so the HPA
+    builtin autoscaler: queue depth and requests/s as AverageValue (per replica), p90 TTFT as Value
+    (ratio to the target times replicas). `ignoreNullValues: "false"` makes an empty result an error, so the HPA
     KEDA drives holds its replicas instead of reading 0."""
     auto = spec.autoscaling
     assert auto is not None
@@ -376,6 +382,9 @@ def render_scaled_object(
         triggers.append(_prometheus_trigger(server, promql["queue"], auto.target_queue_depth, "AverageValue"))
     if auto.target_ttft_seconds is not None:
         triggers.append(_prometheus_trigger(server, promql["ttft"], auto.target_ttft_seconds, "Value"))
+    if auto.target_requests_per_second is not None:
+        rate = auto.target_requests_per_second
+        triggers.append(_prometheus_trigger(server, promql["rate"], rate, "AverageValue"))
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",

@@ -314,3 +314,65 @@ def test_server_args_parse_with_the_servers_own_cli(extra: dict[str, Any]) -> No
     assert args.enable_chunked_prefill is spec.engine.enable_chunked_prefill
     assert args.max_num_batched_tokens == spec.engine.max_num_batched_tokens
     assert (args.host, args.port) == ("0.0.0.0", 8000)
+
+
+THREE_TARGETS = {
+    "minReplicas": 0,
+    "maxReplicas": 6,
+    "targetTTFTSeconds": 0.75,
+    "targetQueueDepth": 4,
+    "targetRequestsPerSecond": 2.5,
+}
+
+
+def test_hpa_engine_renders_pods_metrics_for_every_target_and_no_replicas() -> None:
+    spec = _spec(autoscaling={**THREE_TARGETS, "engine": "hpa"})
+    objects = render_all(OWNER, spec, plan_for_spec(spec), None, service_monitor=False)
+    deployment, hpa = objects[0], objects[-1]
+    assert "replicas" not in deployment["spec"]
+    assert hpa["kind"] == "HorizontalPodAutoscaler"
+    assert hpa["spec"]["minReplicas"] == 1  # the HPA controller cannot go to 0
+    targets = {
+        m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]
+    }
+    assert targets == {
+        "conveyor_num_requests_waiting": "4",
+        "conveyor_time_to_first_token_seconds_p90": "750m",
+        "conveyor_requests_started_per_second": "2500m",
+    }
+    assert hpa["spec"]["behavior"]["scaleUp"]["policies"][1] == {
+        "type": "Pods",
+        "value": 4,
+        "periodSeconds": 15,
+    }
+
+
+def test_keda_engine_renders_a_trigger_per_target_over_ready_pods() -> None:
+    spec = _spec(autoscaling={**THREE_TARGETS, "engine": "keda"})
+    objects = render_all(
+        OWNER,
+        spec,
+        plan_for_spec(spec),
+        None,
+        service_monitor=False,
+        scaled_object=True,
+        prometheus_url="http://p:9090",
+    )
+    scaled = objects[-1]
+    assert scaled["kind"] == "ScaledObject" and scaled["spec"]["minReplicaCount"] == 0
+    triggers = [
+        (t["metricType"], t["metadata"]["threshold"], t["metadata"]["query"])
+        for t in scaled["spec"]["triggers"]
+    ]
+    assert [(kind, threshold) for kind, threshold, _ in triggers] == [
+        ("AverageValue", "4"),
+        ("Value", "0.75"),
+        ("AverageValue", "2.5"),
+    ]
+    assert all('kube_pod_status_ready{namespace="serving"' in query for _, _, query in triggers)
+    assert all(t["metadata"]["serverAddress"] == "http://p:9090" for t in scaled["spec"]["triggers"])
+    # Without KEDA's API nothing is rendered for it.
+    assert (
+        render_all(OWNER, spec, plan_for_spec(spec), None, service_monitor=False)[-1]["kind"]
+        == "PodDisruptionBudget"
+    )
