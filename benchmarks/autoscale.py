@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / datetime.date.today().isoformat()
     out.mkdir(parents=True, exist_ok=True)
 
+    if args.calibration is not None and not args.calibration.is_file():
+        parser.error(f"--calibration {args.calibration}: no such file")
     cal_path = args.calibration or out / "calibration.json"
     if cal_path.exists() and not args.recalibrate:
         calibration = Calibration(**json.loads(cal_path.read_text()))

@@ -239,6 +239,23 @@ def test_manual_edits_are_corrected(env: Env) -> None:
             "gpusPerReplica must be divisible by tensorParallelSize",
         ),
         ({"replicas": 2, "autoscaling": {"maxReplicas": 4}}, "set either replicas or autoscaling, not both"),
+        (
+            {"replicas": None, "autoscaling": {"maxReplicas": 4}},
+            "set at least one of targetTTFTSeconds, targetQueueDepth, targetRequestsPerSecond",
+        ),
+        (
+            {
+                "replicas": None,
+                "autoscaling": {
+                    "maxReplicas": 4,
+                    "targetQueueDepth": 2,
+                    "behavior": {
+                        "scaleUp": {"policies": [{"type": "Nodes", "value": 1, "periodSeconds": 15}]}
+                    },
+                },
+            },
+            'Unsupported value: "Nodes"',
+        ),
         ({"model": {"dtype": "int3"}}, "Unsupported value"),
         ({"engine": {"gpuMemoryUtilization": 1.5}}, "should be less than or equal to 1"),
     ],
