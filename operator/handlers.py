@@ -353,9 +353,7 @@ def autoscale(
         now=now,
     )
     before = (previous.get("autoscaler") or {}).get("decisions") or []
-    recorded = (
-        len(patch["autoscaler"]["decisions"]) != len(before) or patch["autoscaler"]["decisions"] != before
-    )
+    recorded = patch["autoscaler"]["decisions"] != before
     if changed and (acted or recorded):
         reason = decision.reason if acted else f"Advisory{decision.reason}"
         kopf.event(body, type="Normal", reason=reason, message=decision.message)

@@ -207,10 +207,9 @@ def build_status(
     builtin = spec is not None and spec.autoscaling is not None and spec.autoscaling.engine == "builtin"
     if builtin:
         # Scaling and MetricsAvailable tell the autoscaler's last decision once it has made one.
-        for index, condition in enumerate(conditions):
-            kept = next((c for c in conditions_before if c.get("type") == condition["type"]), None)
-            if condition["type"] == SCALING and kept is not None and (previous.get("autoscaler") or {}):
-                conditions[index] = kept
+        kept = next((c for c in conditions_before if c.get("type") == SCALING), None)
+        if kept is not None and previous.get("autoscaler"):
+            conditions[2] = kept
         conditions += [c for c in conditions_before if c.get("type") == METRICS_AVAILABLE]
         desired = previous.get("desiredReplicas", desired)
     return {
