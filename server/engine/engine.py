@@ -117,7 +117,7 @@ class LLMEngine:
         if device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch finds no CUDA device")
         self.device = torch.device(device_type)
-        source = loader.resolve_model(mc.model)
+        source = loader.converted(loader.resolve_model(mc.model))
         self.served_model_name = mc.served_model_name or source.default_name
         hf_config = loader.load_config(source)
         self.dtype = self._pick_dtype(mc.dtype, hf_config)

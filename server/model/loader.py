@@ -4,6 +4,13 @@
 directory in Hugging Face layout, a `.gguf` file, or a hub id. GGUF weights are dequantized by
 transformers' GGUF support (needs the `gguf` package). Nothing here downloads unless given a hub id.
 
+Reading a GGUF through transformers is slow (its reader walks the tokenizer's metadata in Python, once
+each for the config, the tokenizer and the weights: about 30 s of a 35 s start for the embedded model),
+so `converted()` does it once per file and saves the result in Hugging Face layout (config, tokenizer,
+float32 safetensors, with `save_pretrained`) under `${XDG_CACHE_HOME:-~/.cache}/conveyor/models/`, keyed
+by the file's path, size and mtime and the transformers version; later starts load that directory in
+about a second. The values are the dequantized float32 weights themselves, so outputs do not change.
+
 `load_format="dummy"` (vLLM's spelling) needs only the model's config.json: every parameter is drawn
 uniformly from [-1e-3, 1e-3] (vLLM's `initialize_dummy_weights` range) with a fixed seed, so GPU-scale
 shapes (`conveyor plan --write-config`) run without their weights. A directory without tokenizer files
@@ -12,9 +19,13 @@ then gets the embedded model's tokenizer (logged).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
-from dataclasses import dataclass
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -69,6 +80,63 @@ def resolve_model(model: str | None) -> ModelSource:
     if model.startswith((".", "/")) or model.count("/") > 1:
         raise ModelNotFoundError(f"model path {model} does not exist")
     return ModelSource(model, None, model)  # a hub id
+
+
+def cache_root() -> Path:
+    """Where converted models live: `${XDG_CACHE_HOME:-~/.cache}/conveyor/models`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "conveyor" / "models"
+
+
+def converted(source: ModelSource) -> ModelSource:
+    """`source` itself unless it is a GGUF file; then the same model in Hugging Face layout, converted
+    once into `cache_root()` (see the module docstring). Concurrent first starts each convert into a
+    temporary folder and the first rename wins. An unwritable cache is logged and the GGUF is read
+    directly (slow but correct)."""
+    if source.gguf_file is None:
+        return source
+    gguf = Path(source.path) / source.gguf_file
+    import transformers
+
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    target = cache_root() / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (target / "config.json").is_file():
+        return replace(source, path=str(target), gguf_file=None)
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to Hugging Face layout in %s (once per file)", gguf.name, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    except OSError as exc:
+        logger.warning("cannot write the model cache (%s): reading %s directly", exc, gguf.name)
+        return source
+    try:
+        AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file).save_pretrained(tmp)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, gguf_file=source.gguf_file, dtype=torch.float32
+        )
+        # transformers refuses to `save_pretrained` a model it marks GGUF-quantized, though its weights
+        # are plain float32 by now: save the config without that mark and the weights with safetensors.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del model
+        for path in (tmp, *tmp.iterdir()):  # mkdtemp makes it private; the cache may be shared
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not another process's finished conversion
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return replace(source, path=str(target), gguf_file=None)
 
 
 def load_config(source: ModelSource):

@@ -1,0 +1,57 @@
+"""The GGUF conversion cache (`loader.converted`): a GGUF is read once into Hugging Face layout, the
+copy is the same model, later starts reuse it, and a cache that cannot be written falls back to the
+GGUF itself. The engine's greedy-parity tests (test_engine.py) compare an engine loaded from the copy
+with transformers reading the GGUF directly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conveyor.server.model import loader
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return loader.resolve_model(None)
+
+
+def test_conversion_is_the_same_model_and_is_reused(tmp_path, monkeypatch, embedded):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    source = loader.converted(embedded)
+    assert source.gguf_file is None and source.default_name == embedded.default_name
+    assert os.path.dirname(source.path) == str(tmp_path / "conveyor" / "models")
+    assert sorted(p.name for p in (tmp_path / "conveyor" / "models").iterdir()) == [
+        os.path.basename(source.path)
+    ]  # no temporary folder left behind
+    assert loader.converted(embedded) == source  # the second call finds it
+    assert loader.converted(source) is source  # a directory is not converted again
+
+    gguf_tok = AutoTokenizer.from_pretrained(embedded.path, gguf_file=embedded.gguf_file)
+    tok = AutoTokenizer.from_pretrained(source.path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße 🙂 12 + 30?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == gguf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok(text)["input_ids"] == gguf_tok(text)["input_ids"]
+    assert tok.eos_token_id == gguf_tok.eos_token_id
+
+    gguf_weights = AutoModelForCausalLM.from_pretrained(
+        embedded.path, gguf_file=embedded.gguf_file, dtype=torch.float32
+    ).state_dict()
+    weights = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).state_dict()
+    assert gguf_weights.keys() == weights.keys()
+    assert all(torch.equal(gguf_weights[k], weights[k]) for k in weights)
+
+
+def test_unwritable_cache_reads_the_gguf(tmp_path, monkeypatch, caplog, embedded):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    assert loader.converted(embedded) == embedded
+    assert "cannot write the model cache" in caplog.text
