@@ -119,8 +119,11 @@ def calibrate(max_batch: int, max_num_batched_tokens: int) -> Calibration:
     from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from conveyor.server.engine.engine import LLMEngine
     from conveyor.server.engine.request import SamplingParams
+    from conveyor.server.model import loader
 
-    # Start-up first: an engine in this process would compete with the server for the cores.
+    # Start-up first: an engine in this process would compete with the server for the cores. The
+    # model cache is filled first (a one-time conversion is not a replica's start).
+    loader.converted(loader.resolve_model(None))
     with tempfile.TemporaryDirectory() as tmp:
         starts = []
         for _ in range(2):
