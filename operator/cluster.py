@@ -9,7 +9,7 @@ from typing import Any
 
 from kubernetes import client, dynamic
 from kubernetes.client.exceptions import ApiException
-from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError, ResourceNotFoundError
 
 from conveyor.operator.render import FIELD_MANAGER, selector_string
 from conveyor.operator.spec import GROUP, PLURAL, VERSION
@@ -20,8 +20,32 @@ SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
 
 # The field manager of replicas written by the builtin autoscaler (scale subresource).
 AUTOSCALER_FIELD_MANAGER = "conveyor-autoscaler"
-# How long an answer of API discovery ("is ServiceMonitor served?") is trusted, in seconds.
+# How long API discovery ("is ServiceMonitor served?") is trusted before it is read again, in seconds.
 DISCOVERY_TTL_SECONDS = 60.0
+# Metadata the API server maintains; two objects that differ only there hold the same configuration.
+_SERVER_METADATA = ("resourceVersion", "managedFields", "generation", "creationTimestamp", "uid", "selfLink")
+
+
+class ApplyError(Exception):
+    """The API server refused an object: `kind`, `name`, HTTP `status` and the server's `message`."""
+
+    def __init__(self, kind: str, name: str, status: int, message: str) -> None:
+        super().__init__(f"{kind} {name}: {message}")
+        self.kind, self.name, self.status, self.message = kind, name, status, message
+
+
+def _api_error(obj: dict[str, Any], exc: DynamicApiError) -> ApplyError:
+    try:
+        message = exc.summary()
+    except ValueError:  # a body that says it is JSON and is not
+        message = str(exc.body)
+    return ApplyError(obj["kind"], obj["metadata"]["name"], exc.status or 0, str(message))
+
+
+def configuration(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` without its status and the metadata the API server maintains."""
+    meta = {k: v for k, v in obj.get("metadata", {}).items() if k not in _SERVER_METADATA}
+    return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
 
 
 class Cluster:
@@ -32,8 +56,12 @@ class Cluster:
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
-        self._apis: dict[tuple[str, str], tuple[float, bool]] = {}
-        # The discovery cache is shared by every reconcile thread and rebuilt on a miss.
+        self._apis: dict[tuple[str, str], bool] = {}
+        # The dynamic client keeps discovery in a file under /tmp and trusts it across restarts:
+        # start from the server's answer, and read it again every DISCOVERY_TTL_SECONDS.
+        self.dynamic.resources.invalidate_cache()
+        self._discovered_at = time.monotonic()
+        # The discovery cache is shared by every reconcile thread.
         self._discovery_lock = threading.Lock()
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -46,20 +74,29 @@ class Cluster:
             raise
 
     def has_api(self, api_version: str, kind: str) -> bool:
-        """Whether the API server serves `kind` in `api_version` (each answer cached for a minute, so
-        a CRD installed later is found within that time)."""
+        """Whether the API server serves `kind` in `api_version`. Discovery is read again at most a
+        minute after the last read (a CRD installed or removed is seen within that time), and at
+        once after `refresh_discovery()`."""
         with self._discovery_lock:
-            now = time.monotonic()
-            checked_at, found = self._apis.get((api_version, kind), (-DISCOVERY_TTL_SECONDS, False))
-            if now - checked_at >= DISCOVERY_TTL_SECONDS:
+            if time.monotonic() - self._discovered_at >= DISCOVERY_TTL_SECONDS:
+                self._refresh_locked()
+            if (api_version, kind) not in self._apis:
                 try:
-                    # A miss re-reads discovery.
                     self.dynamic.resources.get(api_version=api_version, kind=kind)
-                    found = True
+                    self._apis[(api_version, kind)] = True
                 except ResourceNotFoundError:
-                    found = False
-                self._apis[(api_version, kind)] = (now, found)
-            return found
+                    self._apis[(api_version, kind)] = False
+            return self._apis[(api_version, kind)]
+
+    def refresh_discovery(self) -> None:
+        """Forget what discovery said (an object's API answered 404: its CRD may be gone)."""
+        with self._discovery_lock:
+            self._refresh_locked()
+
+    def _refresh_locked(self) -> None:
+        self.dynamic.resources.invalidate_cache()
+        self._apis.clear()
+        self._discovered_at = time.monotonic()
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete one object; False when it did not exist."""
@@ -81,25 +118,30 @@ class Cluster:
         except NotFoundError:
             return None
 
-    def apply(self, obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Server-side apply `obj` as the operator's field manager, taking over conflicting fields.
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        """Server-side apply `obj` as the operator's field manager, taking over conflicting fields;
+        with `dry_run`, only validated and defaulted by the API server (nothing is stored).
 
-        Returns ("created" | "updated" | "unchanged", the object now stored).
+        Returns the object as stored (or as it would be). Raises ApplyError when the API server
+        refuses it (invalid, forbidden, its API not served).
         """
         meta = obj["metadata"]
-        before = self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        after = self.dynamic.server_side_apply(
-            self._resource(obj["apiVersion"], obj["kind"]),
-            body=obj,
-            name=meta["name"],
-            namespace=meta["namespace"],
-            field_manager=FIELD_MANAGER,
-            force_conflicts=True,
-        ).to_dict()
-        if before is None:
-            return "created", after
-        changed = before["metadata"]["resourceVersion"] != after["metadata"]["resourceVersion"]
-        return ("updated" if changed else "unchanged"), after
+        try:
+            return self.dynamic.server_side_apply(
+                self._resource(obj["apiVersion"], obj["kind"]),
+                body=obj,
+                name=meta["name"],
+                namespace=meta["namespace"],
+                field_manager=FIELD_MANAGER,
+                force_conflicts=True,
+                **({"dry_run": "All"} if dry_run else {}),
+            ).to_dict()
+        except DynamicApiError as exc:
+            raise _api_error(obj, exc) from None
+        except ResourceNotFoundError as exc:
+            raise ApplyError(
+                obj["kind"], meta["name"], 404, f"{obj['apiVersion']} is not served: {exc}"
+            ) from None
 
     def pods(self, namespace: str, name: str) -> tuple[list[str], list[str]]:
         """(Ready pods, all pods not being deleted) of one InferenceService, by name."""

@@ -16,8 +16,10 @@ from typing import Any
 import yaml
 
 from conveyor.operator.spec import (
+    DNS1035_LABEL,
     GROUP,
     KIND,
+    NAME_RULE_MESSAGE,
     PLURAL,
     SHORT_NAMES,
     SINGULAR,
@@ -135,6 +137,13 @@ def build_crd() -> dict[str, Any]:
                             "description": "An LLM served by conveyor, sized by its KV-cache capacity.",
                             "type": "object",
                             "required": ["spec"],
+                            # Root rules may read metadata.name; the children (Service first) take it.
+                            "x-kubernetes-validations": [
+                                {
+                                    "rule": f"self.metadata.name.matches('{DNS1035_LABEL}')",
+                                    "message": NAME_RULE_MESSAGE,
+                                }
+                            ],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

@@ -15,8 +15,10 @@ the count it finds, so it never reverts one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -27,7 +29,7 @@ from pydantic import ValidationError
 
 from conveyor.operator import metrics
 from conveyor.operator.autoscaler import History, Observation, decide
-from conveyor.operator.cluster import HPA, SCALED_OBJECT, SERVICE_MONITOR, Cluster
+from conveyor.operator.cluster import HPA, SCALED_OBJECT, SERVICE_MONITOR, ApplyError, Cluster, configuration
 from conveyor.operator.metrics import PrometheusSource, Reading
 from conveyor.operator.plan import PlanningError, SpecPlan, plan_for_spec
 from conveyor.operator.render import (
@@ -37,7 +39,15 @@ from conveyor.operator.render import (
     Owner,
     render_all,
 )
-from conveyor.operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec, parse_spec
+from conveyor.operator.spec import (
+    DNS1035_LABEL,
+    GROUP,
+    NAME_RULE_MESSAGE,
+    PLURAL,
+    VERSION,
+    InferenceServiceSpec,
+    parse_spec,
+)
 from conveyor.operator.status import (
     METRICS_AVAILABLE,
     autoscaler_status,
@@ -57,6 +67,15 @@ FAILURE_REASONS = {
     "UnknownGPUTypeError": "UnknownGPUType",
     "MaxModelLenTooLongError": "MaxModelLenTooLong",
 }
+# Ready=False reasons for children the API server refuses, by HTTP status.
+APPLY_FAILURE_REASONS = {403: "ApplyForbidden"}
+APPLY_FAILURE_REASON = "ApplyFailed"
+# kopf's retry delay after an apply failure: doubling from 10 s up to 5 minutes.
+RETRY_DELAYS = (10, 300)
+
+
+class ReconcileFailed(Exception):
+    """The API server refused a child; `.status` says why (Ready=False, ApplyFailed)."""
 
 
 _cluster: Cluster | None = None
@@ -111,9 +130,36 @@ def _desired_replicas(spec: InferenceServiceSpec, deployment: dict[str, Any] | N
 
 
 def reconcile(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter) -> None:
-    """Bring one InferenceService's children and status in line with its spec."""
+    """Bring one InferenceService's children and status in line with its spec. Raises
+    ReconcileFailed when the API server refused a child (status and an Event already say so)."""
     with _lock_for(namespace, name):
         _reconcile(_get_cluster(), namespace, name, logger)
+
+
+def _apply_children(
+    cluster: Cluster, body: dict[str, Any], objects: list[dict[str, Any]], logger: Any
+) -> dict[str, Any] | None:
+    """Apply the rendered children, all or none: each is first applied as a dry run (validated and
+    defaulted by the API server) and nothing is written unless all pass; then only those whose
+    configuration would change are applied, and only those get a "created"/"updated" Event (a
+    status write by a controller is not an update). Returns the Deployment as stored, if rendered.
+    Raises ApplyError naming the first object refused."""
+    checked = []
+    for obj in objects:
+        meta = obj["metadata"]
+        live = cluster.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        checked.append((obj, live, cluster.apply(obj, dry_run=True)))
+    deployment = None
+    for obj, live, would_be in checked:
+        stored = live
+        if live is None or configuration(live) != configuration(would_be):
+            stored = cluster.apply(obj)
+            message = f"{'created' if live is None else 'updated'} {obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"
+            kopf.event(body, type="Normal", reason="Created" if live is None else "Updated", message=message)
+            logger.info(message)
+        if obj["kind"] == "Deployment":
+            deployment = stored
+    return deployment
 
 
 def _reconcile(
@@ -132,9 +178,13 @@ def _reconcile(
     plan: SpecPlan | None = None
     failure: tuple[str, str] | None = None
     scaling_problem: tuple[str, str] | None = None
+    apply_failure: tuple[str, str] | None = None
     try:
-        spec = parse_spec(body.get("spec") or {})
-        plan = plan_for_spec(spec)
+        if not re.match(DNS1035_LABEL, name):  # created before the CRD said so
+            failure = ("InvalidName", NAME_RULE_MESSAGE)
+        else:
+            spec = parse_spec(body.get("spec") or {})
+            plan = plan_for_spec(spec)
     except ValidationError as exc:
         failure = ("InvalidSpec", str(exc))
     except PlanningError as exc:
@@ -173,35 +223,23 @@ def _reconcile(
             if previous_scaling.get("reason") != scaling_problem[0]:
                 kopf.event(body, type="Warning", reason=scaling_problem[0], message=scaling_problem[1])
                 logger.warning(scaling_problem[1])
-        objects = render_all(
-            owner,
-            spec,
-            plan,
-            replicas,
-            service_monitor=cluster.has_api(*SERVICE_MONITOR),
-            scaled_object=has_keda,
-            prometheus_url=_prometheus.url if _prometheus is not None else None,
-        )
-        rendered = {(o["apiVersion"], o["kind"]) for o in objects}
-        for api in (HPA, SCALED_OBJECT):
-            if api in rendered or (api == SCALED_OBJECT and not cluster.has_api(*api)):
-                continue
-            # An autoscaler this resource rendered before its engine changed; never someone else's.
-            stale = cluster.get(*api, namespace, name)
-            owners = (stale or {}).get("metadata", {}).get("ownerReferences") or []
-            if any(ref.get("uid") == owner.uid for ref in owners):
-                cluster.delete(*api, namespace, name)
-                message = f"deleted {api[1]} {namespace}/{name}"
-                kopf.event(body, type="Normal", reason="Deleted", message=message)
-                logger.info(message)
-        for obj in objects:
-            action, stored = cluster.apply(obj)
-            if action != "unchanged":
-                message = f"{action} {obj['kind']} {namespace}/{name}"
-                kopf.event(body, type="Normal", reason=action.capitalize(), message=message)
-                logger.info(message)
-            if obj["kind"] == "Deployment":
-                deployment = stored
+        for attempt in range(2):
+            try:
+                stored = _apply_children(
+                    cluster,
+                    body,
+                    _children(cluster, body, owner, spec, plan, replicas, has_keda, logger),
+                    logger,
+                )
+            except ApplyError as exc:
+                if exc.status == 404 and attempt == 0:
+                    cluster.refresh_discovery()  # an optional CRD (ServiceMonitor ...) may be gone
+                    has_keda = engine == "keda" and cluster.has_api(*SCALED_OBJECT)
+                    continue
+                apply_failure = (APPLY_FAILURE_REASONS.get(exc.status, APPLY_FAILURE_REASON), str(exc))
+                break
+            deployment = stored or deployment
+            break
 
     status = build_status(
         name=name,
@@ -214,9 +252,52 @@ def _reconcile(
         previous=previous,
         now=_now(),
         scaling_problem=scaling_problem,
+        apply_failure=apply_failure,
     )
     if _without_none(status) != _without_none({k: previous.get(k) for k in status}):
         cluster.patch_status(namespace, name, status)
+    if apply_failure is not None:
+        was = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), {})
+        if (was.get("reason"), was.get("message")) != apply_failure:
+            kopf.event(body, type="Warning", reason=apply_failure[0], message=apply_failure[1])
+            logger.warning("%s: %s", apply_failure[0], apply_failure[1])
+        raise ReconcileFailed(apply_failure[1])
+
+
+def _children(
+    cluster: Cluster,
+    body: dict[str, Any],
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    plan: SpecPlan,
+    replicas: int | None,
+    has_keda: bool,
+    logger: Any,
+) -> list[dict[str, Any]]:
+    """The children to apply, for the APIs served now; deletes an HPA or ScaledObject this resource
+    rendered before its autoscaling engine changed (never someone else's)."""
+    namespace, name = owner.namespace, owner.name
+    objects = render_all(
+        owner,
+        spec,
+        plan,
+        replicas,
+        service_monitor=cluster.has_api(*SERVICE_MONITOR),
+        scaled_object=has_keda,
+        prometheus_url=_prometheus.url if _prometheus is not None else None,
+    )
+    rendered = {(o["apiVersion"], o["kind"]) for o in objects}
+    for api in (HPA, SCALED_OBJECT):
+        if api in rendered or (api == SCALED_OBJECT and not cluster.has_api(*api)):
+            continue
+        stale = cluster.get(*api, namespace, name)
+        owners = (stale or {}).get("metadata", {}).get("ownerReferences") or []
+        if any(ref.get("uid") == owner.uid for ref in owners):
+            cluster.delete(*api, namespace, name)
+            message = f"deleted {api[1]} {namespace}/{name}"
+            kopf.event(body, type="Normal", reason="Deleted", message=message)
+            logger.info(message)
+    return objects
 
 
 @kopf.on.startup()
@@ -245,9 +326,14 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def on_inference_service(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
-    """Any change to an InferenceService's spec, metadata labels/annotations, or an operator restart."""
-    reconcile(namespace, name, logger)
+def on_inference_service(namespace: str, name: str, retry: int, logger: logging.Logger, **_: Any) -> None:
+    """Any change to an InferenceService's spec, metadata labels/annotations, or an operator restart.
+    A refused child is retried by kopf with a doubling delay (no traceback: status says why)."""
+    try:
+        reconcile(namespace, name, logger)
+    except ReconcileFailed as exc:
+        low, high = RETRY_DELAYS
+        raise kopf.TemporaryError(str(exc), delay=min(low * 2**retry, high)) from None
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
@@ -257,7 +343,8 @@ def on_child(namespace: str, labels: dict[str, str], logger: logging.Logger, **_
     """A child changed (status, a manual edit, a deletion): refresh status and undo drift."""
     owner_name = labels.get(LABEL_INSTANCE)
     if owner_name:
-        reconcile(namespace, owner_name, logger)
+        with contextlib.suppress(ReconcileFailed):  # status says why; the resource's handler retries
+            reconcile(namespace, owner_name, logger)
 
 
 def configure_autoscaler(prometheus_url: str | None, interval_seconds: float) -> None:
@@ -313,7 +400,8 @@ def autoscale(
     keda_pending = auto is not None and auto.engine == "keda" and cluster.has_api(*SCALED_OBJECT)
     if keda_pending and cluster.get(*SCALED_OBJECT, namespace, name) is None:
         # KEDA was installed after the last reconcile: nothing else would trigger one.
-        _reconcile(cluster, namespace, name, logger)
+        with contextlib.suppress(ReconcileFailed):  # status says why
+            _reconcile(cluster, namespace, name, logger)
     if auto is None or auto.engine != "builtin":
         memo.pop(HISTORY_MEMO_KEY, None)
         return

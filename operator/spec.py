@@ -7,9 +7,10 @@ rules the API server enforces are attached to the models as `x-kubernetes-valida
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "serving.conveyor.dev"
@@ -22,6 +23,45 @@ SHORT_NAMES = ["cisvc"]
 DEFAULT_IMAGE = "ghcr.io/conveyor-dev/conveyor:0.1.0"
 
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+
+# Names and values the children's API objects require, as Kubernetes validates them (apimachinery's
+# validation.IsDNS1035Label, IsDNS1123Subdomain, IsQualifiedName, IsValidLabelValue and
+# resource.Quantity). Each is used by a CEL rule or `pattern` in the CRD and by pydantic alike, so
+# the API server refuses what the operator could not create, and parse_spec agrees with it.
+DNS1035_LABEL = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+LABEL_KEY = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+QUANTITY = r"^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+NAME_RULE_MESSAGE = (
+    "metadata.name must be a DNS-1035 label (at most 63 lower-case letters, digits and '-', starting "
+    "with a letter and ending with a letter or digit): it names the InferenceService's Service"
+)
+# `conveyor serve` flags the operator sets (flag -> what to do instead).
+OWNED_FLAGS = {
+    "--host": "it is the operator's",
+    "--port": "it is the operator's (the probes and the Service target it)",
+    "--served-model-name": "set model.name instead",
+    "--dtype": "set model.dtype instead",
+    "--max-model-len": "set model.maxModelLen instead",
+    "--max-num-seqs": "set engine.maxNumSeqs instead",
+    "--gpu-memory-utilization": "set engine.gpuMemoryUtilization instead",
+    "--tensor-parallel-size": "set resources.tensorParallelSize instead",
+    "--block-size": "set engine.blockSize instead",
+    "--enable-prefix-caching": "set engine.enablePrefixCaching instead",
+    "--no-enable-prefix-caching": "set engine.enablePrefixCaching instead",
+    "--enable-chunked-prefill": "set engine.enableChunkedPrefill instead",
+    "--no-enable-chunked-prefill": "set engine.enableChunkedPrefill instead",
+    "--max-num-batched-tokens": "set engine.maxNumBatchedTokens instead",
+}
+_OWNED_FLAG_RE = "^(" + "|".join(OWNED_FLAGS) + ")(=.*)?$"  # flags need no escaping
+
+
+def _flag_of(arg: str) -> str:
+    return arg.split("=", 1)[0]
 
 
 def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
@@ -89,8 +129,18 @@ class ResourcesSpec(_CamelModel):
         pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$",
         description="Override: memory of one GPU as a quantity (e.g. 80Gi), for GPUs not in the catalog.",
     )
-    cpu: str | None = Field(default=None, description="CPU request and limit of the server container.")
-    memory: str | None = Field(default=None, description="Memory request and limit of the server container.")
+    cpu: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        max_length=64,
+        description="CPU request and limit of the server container, a quantity (e.g. 8 or 8000m).",
+    )
+    memory: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        max_length=64,
+        description="Memory request and limit of the server container, a quantity (e.g. 64Gi).",
+    )
 
 
 class EngineSpec(_CamelModel):
@@ -108,7 +158,36 @@ class EngineSpec(_CamelModel):
     block_size: Literal[8, 16, 32] = Field(default=16, description="KV-cache block size in tokens.")
     enable_chunked_prefill: bool = Field(default=True, description="Split long prefills across steps.")
     enable_prefix_caching: bool = Field(default=True, description="Share KV blocks of common prefixes.")
-    extra_args: list[str] = Field(default_factory=list, description="Extra arguments for `conveyor serve`.")
+    extra_args: list[Annotated[str, StringConstraints(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra arguments for `conveyor serve`; flags the operator sets from other fields "
+        "(--port, --max-num-seqs, ...) are refused, and unknown flags are reported in status.",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    f"self.all(a, !a.matches('{_OWNED_FLAG_RE}'))",
+                    "extraArgs must not set flags the operator sets from the spec ("
+                    + ", ".join(sorted({f.removeprefix("--no-") for f in OWNED_FLAGS}))
+                    + "): use the spec's fields",
+                )
+            ]
+        },
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_known(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            flag = _flag_of(arg)
+            if flag in OWNED_FLAGS:
+                raise ValueError(f"{flag} is set by the operator: {OWNED_FLAGS[flag]}")
+        from conveyor.server.cli import check_serve_args
+
+        problem = check_serve_args(["model", *value])
+        if problem is not None:
+            raise ValueError(f"conveyor serve would refuse {value}: {problem}")
+        return value
 
 
 class ScalingPolicy(_CamelModel):
@@ -243,14 +322,46 @@ class AutoscalingSpec(_CamelModel):
         return resolved_rules(self.behavior.scale_down, DEFAULT_SCALE_DOWN)
 
 
-class Toleration(_CamelModel):
-    """A core/v1 Toleration."""
+_TOLERATION_RULES = [
+    (
+        "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+        "a toleration with operator Exists takes no value",
+        lambda t: t.operator != "Exists" or not t.value,
+    ),
+    (
+        "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+        "a toleration without a key needs operator Exists",
+        lambda t: bool(t.key) or t.operator == "Exists",
+    ),
+    (
+        "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "tolerationSeconds needs effect NoExecute",
+        lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+    ),
+]
 
-    key: str | None = None
+
+class Toleration(_CamelModel):
+    """A core/v1 Toleration, with the API server's rules for it."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [_cel(rule, msg) for rule, msg, _ in _TOLERATION_RULES]
+        }
+    )
+
+    key: str | None = Field(default=None, pattern=LABEL_KEY, max_length=317)
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
+    value: str | None = Field(default=None, pattern=LABEL_VALUE, max_length=63)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _api_rules(self) -> Toleration:
+        for _, message, holds in _TOLERATION_RULES:
+            if not holds(self):
+                raise ValueError(message)
+        return self
 
 
 class InferenceServiceSpec(_CamelModel):
@@ -277,11 +388,42 @@ class InferenceServiceSpec(_CamelModel):
         default=None, ge=0, description="Fixed number of replicas (default 1) when autoscaling is unset."
     )
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Server container image.")
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Extra node labels; merged over the GPU product label."
+    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Extra node labels; merged over the GPU product label.",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    f"self.all(k, size(k) <= 317 && k.matches('{LABEL_KEY}'))",
+                    "nodeSelector keys must be label keys ([prefix/]name: letters, digits, '-', '_', '.')",
+                ),
+                _cel(
+                    f"self.all(k, self[k].matches('{LABEL_VALUE}'))",
+                    "nodeSelector values must be label values (at most 63 letters, digits, '-', '_', '.')",
+                ),
+            ]
+        },
     )
-    tolerations: list[Toleration] = Field(default_factory=list, description="Extra pod tolerations.")
-    service_account_name: str | None = Field(default=None, description="Service account of the pods.")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="Extra pod tolerations."
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        pattern=DNS1123_SUBDOMAIN,
+        max_length=253,
+        description="Service account of the pods (a DNS-1123 subdomain).",
+    )
+
+    @field_validator("node_selector")
+    @classmethod
+    def _label_selector(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            if len(key) > 317 or not re.match(LABEL_KEY, key):
+                raise ValueError(f"nodeSelector key {key!r} is not a label key")
+            if not re.match(LABEL_VALUE, label):
+                raise ValueError(f"nodeSelector value {label!r} of {key!r} is not a label value")
+        return value
 
     @property
     def tensor_parallel_size(self) -> int:

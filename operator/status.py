@@ -145,11 +145,13 @@ def build_status(
     previous: dict[str, Any],
     now: str,
     scaling_problem: tuple[str, str] | None = None,
+    apply_failure: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The full `.status` object.
 
     `scaling_problem` is `(reason, message)` when the configured autoscaler cannot run (its API is
-    missing); it becomes the Scaling condition.
+    missing); it becomes the Scaling condition. `apply_failure` is `(reason, message)` when the API
+    server refused a child; it becomes the Ready condition.
 
     Either `plan` is set (capacity planned) or `failure` is `(reason, message)` for a spec that cannot
     be planned; `deployment` is the live Deployment object or None. `previous` is the current status.
@@ -201,6 +203,10 @@ def build_status(
             generation=generation,
             now=now,
             previous=conditions_before,
+        )
+    if apply_failure is not None:
+        workload[0] = make_condition(
+            READY, False, *apply_failure, generation=generation, now=now, previous=conditions_before
         )
     desired, current, ready, _, _ = _replica_counts(deployment)
     conditions = [planned, *workload]

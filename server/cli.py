@@ -79,8 +79,32 @@ def _collect(args: argparse.Namespace, model: type[BaseModel]) -> BaseModel:
     return model(**values)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor", description="LLM serving on Kubernetes")
+class _ArgumentError(Exception):
+    pass
+
+
+class _CheckingParser(argparse.ArgumentParser):
+    """A parser that raises instead of printing usage and exiting."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise _ArgumentError(message)
+
+
+def check_serve_args(argv: list[str]) -> str | None:
+    """argparse's complaint about `conveyor serve ARGV` (unknown flag, bad choice or value type), or
+    None when it parses. The operator checks an InferenceService's extraArgs with it before a pod
+    would crash-loop on them."""
+    try:
+        build_parser(_CheckingParser).parse_args(["serve", *argv])
+    except _ArgumentError as exc:
+        return str(exc)
+    return None
+
+
+def build_parser(
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
+    parser = parser_class(prog="conveyor", description="LLM serving on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API")
     serve.add_argument("model", nargs="?", default=None, help=ModelConfig.model_fields["model"].description)

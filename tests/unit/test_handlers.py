@@ -8,12 +8,14 @@ from typing import Any
 import pytest
 
 from conveyor.operator import handlers
+from conveyor.operator.cluster import ApplyError, configuration
 
 NAMESPACE, NAME = "serving", "llama"
 
 
 class FakeCluster:
-    """Stores objects by (kind, name); apply bumps resourceVersion only when the object changes."""
+    """Stores objects by (kind, name); apply bumps resourceVersion only when the object changes;
+    kinds in `refuse` are refused as the API server would ({kind: (HTTP status, message)})."""
 
     def __init__(self, spec: dict[str, Any], service_monitor: bool = False) -> None:
         self.isvc: dict[str, Any] | None = {
@@ -25,6 +27,8 @@ class FakeCluster:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.status_patches: list[dict[str, Any]] = []
         self.service_monitor = service_monitor
+        self.refuse: dict[str, tuple[int, str]] = {}
+        self.discovery_refreshes = 0
         self._version = 0
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -39,24 +43,25 @@ class FakeCluster:
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.objects.get((kind, name)))
 
-    def apply(self, obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        if obj["kind"] in self.refuse:
+            status, message = self.refuse[obj["kind"]]
+            raise ApplyError(obj["kind"], obj["metadata"]["name"], status, message)
         key = (obj["kind"], obj["metadata"]["name"])
         before = self.objects.get(key)
         desired = {k: v for k, v in obj.items() if k != "status"}
-        if before is not None:
-            current = {k: v for k, v in before.items() if k != "status"}
-            # Fields the API server sets are not part of what the operator applies.
-            current["metadata"] = {
-                k: v for k, v in current["metadata"].items() if k not in ("resourceVersion", "generation")
-            }
-            if current == desired:
-                return "unchanged", copy.deepcopy(before)
-        self._version += 1
+        if before is not None and configuration(before) == configuration(desired):
+            return copy.deepcopy(before)
         stored = copy.deepcopy(desired)
-        stored["metadata"]["resourceVersion"] = str(self._version)
+        stored["metadata"]["resourceVersion"] = str(self._version + 1)
         stored["status"] = (before or {}).get("status", {})
-        self.objects[key] = stored
-        return ("created" if before is None else "updated"), copy.deepcopy(stored)
+        if not dry_run:
+            self._version += 1
+            self.objects[key] = stored
+        return copy.deepcopy(stored)
+
+    def refresh_discovery(self) -> None:
+        self.discovery_refreshes += 1
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         assert self.isvc is not None
@@ -121,6 +126,49 @@ def test_deployment_status_change_updates_only_status(events: list[tuple[str, st
     ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "ReplicasReady")
     assert cluster.status_patches[-1]["readyReplicas"] == 1
+
+
+def test_a_refused_child_creates_nothing_and_says_why_once(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA)
+    cluster.refuse["Service"] = (422, 'Service "llama" is invalid: metadata.name: Invalid value')
+    with pytest.raises(handlers.ReconcileFailed, match="Service llama: Service"):
+        reconcile(cluster)
+    assert cluster.objects == {}  # the Deployment is not created without its Service
+    ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ApplyFailed")
+    assert ready["message"] == 'Service llama: Service "llama" is invalid: metadata.name: Invalid value'
+    assert [(t, r) for t, r, _ in events] == [("Normal", "CapacityPlanned"), ("Warning", "ApplyFailed")]
+    events.clear()
+    with pytest.raises(handlers.ReconcileFailed):
+        reconcile(cluster)
+    assert events == []  # the same failure again: no new Event, no status write
+    assert len(cluster.status_patches) == 1
+    cluster.refuse.clear()
+    reconcile(cluster)
+    assert [(t, r) for t, r, _ in events] == [("Normal", "Created")] * 3
+
+
+def test_forbidden_and_missing_apis(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA)
+    cluster.refuse["PodDisruptionBudget"] = (403, "poddisruptionbudgets is forbidden")
+    with pytest.raises(handlers.ReconcileFailed):
+        reconcile(cluster)
+    ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "ApplyForbidden"
+    assert cluster.discovery_refreshes == 0
+    cluster.refuse = {"PodDisruptionBudget": (404, "the server could not find the requested resource")}
+    with pytest.raises(handlers.ReconcileFailed):
+        reconcile(cluster)
+    assert cluster.discovery_refreshes == 1  # a 404 re-reads discovery and renders again once
+
+
+def test_a_name_that_cannot_name_a_service_is_reported(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(LLAMA)
+    assert cluster.isvc is not None
+    handlers._reconcile(cluster, NAMESPACE, "3b-model", logging.getLogger("test"))  # type: ignore[arg-type]
+    assert cluster.objects == {}
+    planned = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "CapacityPlanned")
+    assert planned["reason"] == "InvalidName" and "DNS-1035" in planned["message"]
 
 
 def test_too_big_model_creates_nothing_then_recovers(events: list[tuple[str, str, str]]) -> None:

@@ -1,0 +1,173 @@
+"""The operator under bad input and partial failure, against the local control plane: specs the API
+server refuses at admission, children it refuses at apply (status and one Warning, nothing partial, no
+traceback), extraArgs the server would refuse, a ServiceMonitor CRD removed under a running operator,
+and "Updated" events only for real updates."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.k8s.cluster import LocalCluster
+from tests.k8s.operator_env import CRD_PATH, SERVICE_MONITOR_CRD, Env, Operator, isvc
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+SERVICE_MONITOR_CRD_NAME = "servicemonitors.monitoring.coreos.com"
+
+
+@pytest.fixture(scope="module")
+def env(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    k8s.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
+    k8s.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.conveyor.dev")
+    namespace = k8s.create_namespace("failures")
+    env = Env(k8s, namespace, Operator(k8s, namespace, tmp_path_factory.mktemp("operator") / "operator.log"))
+    try:
+        yield env
+    finally:
+        env.operator.stop()  # the last one started (a test restarts it)
+        k8s.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def _install_service_monitor_crd(cluster: LocalCluster) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{SERVICE_MONITOR_CRD_NAME}")
+
+
+def _events(env: Env, name: str, reason: str) -> list[dict[str, Any]]:
+    return [e for e in env.events(name) if e["reason"] == reason]
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "message"),
+    [
+        ("3b-model", {}, "metadata.name must be a DNS-1035 label"),
+        ("llama.3-8b", {}, "metadata.name must be a DNS-1035 label"),
+        ("a" * 64, {}, "metadata.name must be a DNS-1035 label"),
+        ("mem", {"resources": {"memory": "64 GB"}}, "spec.resources.memory"),
+        ("cpu", {"resources": {"cpu": "lots"}}, "spec.resources.cpu"),
+        (
+            "tol",
+            {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]},
+            "a toleration with operator Exists takes no value",
+        ),
+        (
+            "tol-key",
+            {"tolerations": [{"operator": "Equal", "value": "x"}]},
+            "without a key needs operator Exists",
+        ),
+        ("nodes", {"nodeSelector": {"bad key!": "x"}}, "nodeSelector keys must be label keys"),
+        ("nodes-value", {"nodeSelector": {"zone": "not ok!"}}, "nodeSelector values must be label values"),
+        ("sa", {"serviceAccountName": "Bad_SA"}, "spec.serviceAccountName"),
+        (
+            "port",
+            {"engine": {"extraArgs": ["--port", "1"]}},
+            "extraArgs must not set flags the operator sets",
+        ),
+        (
+            "seqs",
+            {"engine": {"extraArgs": ["--max-num-seqs=100000"]}},
+            "extraArgs must not set flags the operator sets",
+        ),
+    ],
+)
+def test_specs_whose_children_would_be_invalid_are_refused_at_admission(
+    env: Env, name: str, spec: dict[str, Any], message: str
+) -> None:
+    result = env.kubectl("apply", "-f", "-", input=json.dumps(isvc(name, **spec)), check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert env.get("inferenceservice", name) is None
+
+
+def test_unknown_server_flags_are_reported_not_deployed(env: Env) -> None:
+    env.apply(isvc("flags", engine={"extraArgs": ["--seed", "7", "--no-such-flag"]}))
+    try:
+        planned = env.eventually(
+            lambda: (c := env.condition("flags", "CapacityPlanned")) and c["status"] == "False" and c,
+            "CapacityPlanned=False",
+        )
+        assert planned["reason"] == "InvalidSpec"
+        assert "unrecognized arguments: --no-such-flag" in planned["message"]
+        assert env.get("deployment", "flags") is None
+        env.apply(isvc("flags", engine={"extraArgs": ["--seed", "7"]}))
+        env.wait_ready("flags")
+    finally:
+        env.delete("flags")
+
+
+def test_a_child_the_api_server_refuses_sets_ready_false_and_creates_nothing(env: Env) -> None:
+    """A namespace quota that allows no PodDisruptionBudget: the CRD cannot know it, the API server
+    refuses the PDB (403), and the Deployment and Service must not be created without it."""
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-pdbs"},
+        "spec": {"hard": {"count/poddisruptionbudgets.policy": "0"}},
+    }
+    env.apply(quota)
+    try:
+        env.apply(isvc("refused"))
+        ready = env.eventually(
+            lambda: (c := env.condition("refused", "Ready")) and c["reason"] == "ApplyForbidden" and c,
+            "Ready=False ApplyForbidden",
+        )
+        assert ready["status"] == "False"
+        assert ready["message"].startswith("PodDisruptionBudget refused: ")
+        assert "exceeded quota: no-pdbs" in ready["message"]
+        time.sleep(15)  # kopf retries with a growing delay meanwhile
+        assert env.get("deployment", "refused") is None and env.get("service", "refused") is None
+        assert len(_events(env, "refused", "ApplyForbidden")) == 1
+        assert len(_events(env, "refused", "CapacityPlanned")) == 1
+        assert "Traceback" not in env.operator.log_path.read_text()
+        env.kubectl("delete", "resourcequota", "no-pdbs")
+        env.wait_ready("refused", timeout=120)  # the next retry succeeds
+        assert env.get("service", "refused") is not None
+    finally:
+        env.kubectl("delete", "resourcequota", "no-pdbs", "--ignore-not-found")
+        env.delete("refused")
+
+
+def test_status_writes_and_drift_give_updated_events_only_for_real_updates(env: Env) -> None:
+    env.apply(isvc("quiet", replicas=2))
+    try:
+        env.wait_ready("quiet", replicas=2)
+        env.kubectl("scale", "deployment/quiet", "--replicas=3")
+        env.eventually(
+            lambda: (d := env.get("deployment", "quiet")) and d["spec"]["replicas"] == 2,
+            "the operator to restore 2 replicas",
+        )
+        env.wait_ready("quiet", replicas=2)
+        time.sleep(3)  # the pods' and the PDB's status churn meanwhile
+        updated = [e["message"] for e in _events(env, "quiet", "Updated")]
+        assert updated == [f"updated Deployment {env.namespace}/quiet"]
+    finally:
+        env.delete("quiet")
+
+
+def test_a_removed_service_monitor_crd_does_not_break_reconciles(env: Env, tmp_path) -> None:
+    _install_service_monitor_crd(env.cluster)
+    try:
+        # A fresh operator sees the CRD at once (the one running may have read discovery before it).
+        env.operator.stop()
+        env.operator = Operator(env.cluster, env.namespace, tmp_path / "operator-1.log")
+        env.apply(isvc("monitored"))
+        env.wait_ready("monitored")
+        assert env.get("servicemonitor", "monitored") is not None
+        env.cluster.kubectl("delete", "crd", SERVICE_MONITOR_CRD_NAME, "--wait=true")
+        env.apply(isvc("monitored", replicas=2))
+        env.wait_ready("monitored", replicas=2)
+        assert env.condition("monitored", "Ready")["reason"] == "ReplicasReady"
+        # A restarted operator finds the discovery file of the last one under /tmp: it must not trust it.
+        env.operator.stop()
+        env.operator = Operator(env.cluster, env.namespace, tmp_path / "operator-2.log")
+        env.apply(isvc("monitored", replicas=1))
+        env.wait_ready("monitored", replicas=1)
+        assert "ApplyFailed" not in env.operator.log_path.read_text()
+    finally:
+        env.delete("monitored")
+        _install_service_monitor_crd(env.cluster)
