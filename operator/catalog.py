@@ -217,6 +217,18 @@ HF_CONFIGS: dict[str, dict] = {
     },
 }
 
+# Where each catalog model's weights live on the Hugging Face hub (the -Instruct release whose
+# config.json is above): what a spec without `model.uri` serves.
+HUB_IDS: dict[str, str] = {
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B-Instruct",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3-70b": "meta-llama/Meta-Llama-3-70B-Instruct",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.1",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
 # Parameter counts from each model's safetensors index (embeddings included, since they occupy GPU
 # memory too); a test checks that the configs above give exactly these counts.
 NUM_PARAMS: dict[str, int] = {
@@ -285,6 +297,12 @@ def hf_config(name: str) -> dict:
     if key not in HF_CONFIGS:
         raise UnknownModelError(name, [])
     return json.loads(json.dumps(HF_CONFIGS[key]))
+
+
+def hub_id(name: str) -> str | None:
+    """The hub id of a catalog model (`llama-3-8b` -> `meta-llama/Meta-Llama-3-8B-Instruct`), None for
+    a name the catalog does not know."""
+    return HUB_IDS.get(normalize_model_name(name))
 
 
 def lookup_model(name: str) -> ModelShape | None:

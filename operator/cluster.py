@@ -154,6 +154,19 @@ class Cluster:
         ]
         return ready, [p.metadata.name for p in live]
 
+    def unschedulable(self, namespace: str, name: str) -> tuple[int, str] | None:
+        """(how many, the scheduler's message of one) for pods of one InferenceService the scheduler
+        cannot place (PodScheduled=False, reason Unschedulable), or None when there are none."""
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector_string(name)).items
+        messages = [
+            c.message or "no reason given"
+            for p in pods
+            if p.metadata.deletion_timestamp is None
+            for c in (p.status.conditions or [])
+            if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+        ]
+        return (len(messages), messages[0]) if messages else None
+
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
         """Write the Deployment's replicas through its scale subresource."""
         self.apps.patch_namespaced_deployment_scale(

@@ -241,6 +241,9 @@ def _reconcile(
             deployment = stored or deployment
             break
 
+    desired = (deployment or {}).get("spec", {}).get("replicas", 0)
+    ready = ((deployment or {}).get("status") or {}).get("readyReplicas", 0)
+    unschedulable = cluster.unschedulable(namespace, name) if ready < desired else None
     status = build_status(
         name=name,
         namespace=namespace,
@@ -253,6 +256,7 @@ def _reconcile(
         now=_now(),
         scaling_problem=scaling_problem,
         apply_failure=apply_failure,
+        unschedulable=unschedulable,
     )
     if _without_none(status) != _without_none({k: previous.get(k) for k in status}):
         cluster.patch_status(namespace, name, status)
@@ -345,6 +349,26 @@ def on_child(namespace: str, labels: dict[str, str], logger: logging.Logger, **_
     if owner_name:
         with contextlib.suppress(ReconcileFailed):  # status says why; the resource's handler retries
             reconcile(namespace, owner_name, logger)
+
+
+@kopf.on.event("v1", "pods", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
+def on_pod(
+    namespace: str, labels: dict[str, str], body: dict[str, Any], logger: logging.Logger, **_: Any
+) -> None:
+    """A server pod's scheduling changed. Ready names pods the scheduler cannot place (their
+    Deployment's status does not say why), and stops naming them once they are placed."""
+    scheduled = next(
+        (c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "PodScheduled"), {}
+    )
+    owner_name = labels.get(LABEL_INSTANCE)
+    if not owner_name or not scheduled:
+        return
+    if scheduled.get("status") == "True":
+        resource = _get_cluster().get_inference_service(namespace, owner_name) or {}
+        conditions = (resource.get("status") or {}).get("conditions") or []
+        if not any(c.get("type") == "Ready" and c.get("reason") == "PodsUnschedulable" for c in conditions):
+            return
+    on_child(namespace=namespace, labels=labels, logger=logger)
 
 
 def configure_autoscaler(prometheus_url: str | None, interval_seconds: float) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.operator.catalog import hub_id
 from conveyor.operator.plan import SpecPlan
 from conveyor.operator.spec import GROUP, KIND, VERSION, InferenceServiceSpec
 
@@ -97,11 +98,12 @@ def service_url(name: str, namespace: str) -> str:
 def model_source(spec: InferenceServiceSpec) -> tuple[str, dict[str, Any] | None]:
     """The `conveyor serve MODEL` argument and, for `pvc://claim/path`, the volume holding it.
 
-    `hf://org/name` becomes the hub id `org/name`; no URI means the model name itself.
+    `hf://org/name` becomes the hub id `org/name`; no URI means the catalog model's hub id
+    (`llama-3-8b` -> `meta-llama/Meta-Llama-3-8B-Instruct`), else the model name itself.
     """
     uri = spec.model.uri
     if uri is None:
-        return spec.model.name, None
+        return hub_id(spec.model.name) or spec.model.name, None
     if uri.startswith("hf://"):
         return uri.removeprefix("hf://"), None
     claim, _, path = uri.removeprefix("pvc://").partition("/")

@@ -74,11 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _QuietTimer(logging.Filter):
-    """Drops kopf's "Timer 'autoscale' succeeded." line, logged every autoscaling step."""
+class _QuietRoutine(logging.Filter):
+    """Drops kopf's INFO lines for routine handlers: "Timer 'autoscale' succeeded." every autoscaling
+    step, "Handler 'on_child' succeeded." on every status change of a child or pod. Their failures,
+    and everything our handlers log, stay."""
+
+    _ROUTINE = ("Timer 'autoscale'", "Handler 'on_child'", "Handler 'on_pod'")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("Timer 'autoscale") and record.levelno <= logging.INFO)
+        return not (record.levelno <= logging.INFO and record.getMessage().startswith(self._ROUTINE))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # One line per Prometheus query and per timer run would drown the decisions in the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("kopf.objects").addFilter(_QuietTimer())
+    logging.getLogger("kopf.objects").addFilter(_QuietRoutine())
     if args.autoscale_interval <= 0:
         parser.error("--autoscale-interval must be > 0")
     # Importing registers the handlers with kopf's default registry.

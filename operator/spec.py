@@ -90,7 +90,8 @@ class ModelSpec(_CamelModel):
         default=None,
         pattern=r"^(hf://[^/\s]+/[^/\s]+|pvc://[^/\s]+(/\S*)?)$",
         description="Where the weights come from: hf://org/name (hub id) or pvc://claim/path. "
-        "Defaults to the model name as a hub id or local path.",
+        "Defaults to the catalog model's hub id (llama-3-8b: meta-llama/Meta-Llama-3-8B-Instruct), "
+        "else the model name as a hub id or local path.",
     )
     dtype: Dtype = Field(default="auto", description="Weight and KV-cache dtype (--dtype).")
     max_model_len: int = Field(

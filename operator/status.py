@@ -101,8 +101,10 @@ def workload_conditions(
     generation: int | None,
     now: str,
     previous: list[dict[str, Any]],
+    unschedulable: tuple[int, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The Ready and Scaling conditions from the Deployment's status."""
+    """The Ready and Scaling conditions from the Deployment's status; `unschedulable` is (pods, the
+    scheduler's message) for pods that cannot be placed, which Ready then names."""
     desired, current, ready, updated, observed = _replica_counts(deployment)
     if deployment is None:
         ready_cond = (False, "DeploymentMissing", "the server Deployment does not exist yet")
@@ -112,6 +114,13 @@ def workload_conditions(
         ready_cond = (False, "RolloutPending", "the Deployment controller has not seen the new spec yet")
     elif ready >= desired and updated >= desired and current == desired:
         ready_cond = (True, "ReplicasReady", f"{ready}/{desired} replicas ready")
+    elif unschedulable is not None:
+        count, why = unschedulable
+        ready_cond = (
+            False,
+            "PodsUnschedulable",
+            f"{ready}/{desired} replicas ready; {count} pod(s) cannot be scheduled: {why}",
+        )
     else:
         ready_cond = (False, "ReplicasNotReady", f"{ready}/{desired} replicas ready, {updated} updated")
 
@@ -146,9 +155,11 @@ def build_status(
     now: str,
     scaling_problem: tuple[str, str] | None = None,
     apply_failure: tuple[str, str] | None = None,
+    unschedulable: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
     """The full `.status` object.
 
+    `unschedulable` is (pods, the scheduler's message) when pods cannot be placed.
     `scaling_problem` is `(reason, message)` when the configured autoscaler cannot run (its API is
     missing); it becomes the Scaling condition. `apply_failure` is `(reason, message)` when the API
     server refused a child; it becomes the Ready condition.
@@ -180,7 +191,12 @@ def build_status(
         )
     if spec is not None:
         workload = workload_conditions(
-            spec, deployment, generation=generation, now=now, previous=conditions_before
+            spec,
+            deployment,
+            generation=generation,
+            now=now,
+            previous=conditions_before,
+            unschedulable=unschedulable,
         )
     else:
         workload = [
@@ -228,7 +244,8 @@ def build_status(
         "capacity": capacity_status(plan) if plan is not None else None,
         "replicas": current,
         "readyReplicas": ready,
-        "url": service_url(name, namespace) if deployment is not None else None,
+        # Only where a request can be answered (a replica Ready and no refused child).
+        "url": service_url(name, namespace) if ready > 0 and apply_failure is None else None,
         "selector": selector_string(name),
     }
 

@@ -171,3 +171,20 @@ def test_a_removed_service_monitor_crd_does_not_break_reconciles(env: Env, tmp_p
     finally:
         env.delete("monitored")
         _install_service_monitor_crd(env.cluster)
+
+
+def test_pods_the_scheduler_cannot_place_are_named_in_ready(env: Env) -> None:
+    """The A100 node has 8 GPUs: the second replica of 8 GPUs each stays Pending."""
+    env.apply(isvc("pending", replicas=2, resources={"gpusPerReplica": 8}))
+    try:
+        ready = env.eventually(
+            lambda: (c := env.condition("pending", "Ready")) and c["reason"] == "PodsUnschedulable" and c,
+            "Ready=False PodsUnschedulable",
+        )
+        assert ready["message"].startswith("1/2 replicas ready; 1 pod(s) cannot be scheduled: 0/")
+        assert "Insufficient nvidia.com/gpu" in ready["message"]
+        env.apply(isvc("pending", replicas=1, resources={"gpusPerReplica": 8}))
+        resource = env.wait_ready("pending")
+        assert resource["status"]["url"] == f"http://pending.{env.namespace}.svc.cluster.local"
+    finally:
+        env.delete("pending")

@@ -29,6 +29,7 @@ class FakeCluster:
         self.service_monitor = service_monitor
         self.refuse: dict[str, tuple[int, str]] = {}
         self.discovery_refreshes = 0
+        self.pending: tuple[int, str] | None = None
         self._version = 0
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -59,6 +60,9 @@ class FakeCluster:
             self._version += 1
             self.objects[key] = stored
         return copy.deepcopy(stored)
+
+    def unschedulable(self, namespace: str, name: str) -> tuple[int, str] | None:
+        return self.pending
 
     def refresh_discovery(self) -> None:
         self.discovery_refreshes += 1

@@ -50,6 +50,40 @@ def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+@pytest.mark.parametrize(
+    ("model", "served"),
+    [
+        ({"name": "llama-3-8b", "uri": None}, "meta-llama/Meta-Llama-3-8B-Instruct"),
+        ({"name": "Qwen2.5-7B-Instruct", "uri": None}, "Qwen/Qwen2.5-7B-Instruct"),
+        ({"name": "smollm2-135m", "uri": None}, "HuggingFaceTB/SmolLM2-135M-Instruct"),
+        (
+            {
+                "name": "my-org/custom-7b",
+                "uri": None,
+                "layers": 32,
+                "kvHeads": 8,
+                "headDim": 128,
+                "params": 7_000_000_000,
+            },
+            "my-org/custom-7b",
+        ),
+        ({"name": "llama-3-8b", "uri": "pvc://weights/llama"}, "/models/weights/llama"),
+    ],
+)
+def test_a_model_without_uri_serves_the_catalog_hub_id(model: dict[str, Any], served: str) -> None:
+    raw = {"name": "x", "uri": None, "maxModelLen": 4096, **model}
+    spec = parse_spec(
+        {"model": {k: v for k, v in raw.items() if v is not None}, "resources": {"gpuType": "a100-80gb"}}
+    )
+    assert server_args(spec, plan_for_spec(spec))[1] == served
+
+
+def test_every_catalog_model_has_a_hub_id() -> None:
+    from conveyor.operator.catalog import HF_CONFIGS, HUB_IDS
+
+    assert HUB_IDS.keys() == HF_CONFIGS.keys()
+
+
 def test_server_args_carry_the_planned_capacity() -> None:
     spec = _spec()
     args = server_args(spec, plan_for_spec(spec))
@@ -216,7 +250,7 @@ def test_status_while_pods_start_and_when_ready() -> None:
         "maxNumSeqs": 112,
         "maxConcurrencyAtMaxModelLen": 112.08,
     }
-    assert starting["url"] == "http://llama.serving.svc.cluster.local"
+    assert starting["url"] is None  # nothing answers yet
     assert starting["selector"] == "serving.conveyor.dev/inferenceservice=llama"
     conditions = _conditions(starting)
     assert conditions["CapacityPlanned"]["status"] == "True"
@@ -233,6 +267,29 @@ def test_status_while_pods_start_and_when_ready() -> None:
     assert conditions["CapacityPlanned"]["lastTransitionTime"] == NOW
     assert _status(dep, previous=ready, now="2026-11-29T11:00:00Z") == ready
     assert ready["readyReplicas"] == 1 and ready["replicas"] == 1
+    assert ready["url"] == "http://llama.serving.svc.cluster.local"
+
+
+def test_unschedulable_pods_are_named_in_ready() -> None:
+    dep = _deployment(replicas=2)
+    dep["metadata"]["generation"] = 1
+    dep["status"] = {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 1}
+    why = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+    status = build_status(
+        name="llama",
+        namespace="serving",
+        generation=3,
+        spec=_spec(),
+        plan=plan_for_spec(_spec()),
+        failure=None,
+        deployment=dep,
+        previous={},
+        now=NOW,
+        unschedulable=(1, why),
+    )
+    ready = _conditions(status)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "PodsUnschedulable")
+    assert ready["message"] == f"1/2 replicas ready; 1 pod(s) cannot be scheduled: {why}"
 
 
 @pytest.mark.parametrize(
