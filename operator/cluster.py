@@ -3,6 +3,7 @@ stand-in with the same methods)."""
 
 from __future__ import annotations
 
+import fnmatch
 import threading
 import time
 from typing import Any
@@ -72,6 +73,15 @@ class Cluster:
             if exc.status == 404:
                 return None
             raise
+
+    def inference_services(self, namespaces: list[str]) -> list[tuple[str, str]]:
+        """(namespace, name) of every InferenceService in namespaces matching the glob patterns
+        (all namespaces when empty)."""
+        items = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        found = [(i["metadata"]["namespace"], i["metadata"]["name"]) for i in items]
+        return [
+            (ns, n) for ns, n in found if not namespaces or any(fnmatch.fnmatch(ns, p) for p in namespaces)
+        ]
 
     def has_api(self, api_version: str, kind: str) -> bool:
         """Whether the API server serves `kind` in `api_version`. Discovery is read again at most a

@@ -80,6 +80,12 @@ class ReconcileFailed(Exception):
 
 _cluster: Cluster | None = None
 _prometheus: PrometheusSource | None = None
+# Operator settings (configure_scope): the namespaces watched (glob patterns; empty = all) and the
+# extra labels of every ServiceMonitor.
+_namespaces: list[str] = []
+_service_monitor_labels: dict[str, str] = {}
+# CRDs of optional APIs: installing or removing one changes what every InferenceService renders.
+OPTIONAL_CRDS = {"servicemonitors.monitoring.coreos.com", "scaledobjects.keda.sh"}
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
@@ -289,6 +295,7 @@ def _children(
         service_monitor=cluster.has_api(*SERVICE_MONITOR),
         scaled_object=has_keda,
         prometheus_url=_prometheus.url if _prometheus is not None else None,
+        service_monitor_labels=_service_monitor_labels,
     )
     rendered = {(o["apiVersion"], o["kind"]) for o in objects}
     for api in (HPA, SCALED_OBJECT):
@@ -340,6 +347,7 @@ def on_inference_service(namespace: str, name: str, retry: int, logger: logging.
         raise kopf.TemporaryError(str(exc), delay=min(low * 2**retry, high)) from None
 
 
+@kopf.on.event("monitoring.coreos.com", "v1", "servicemonitors", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("v1", "services", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
@@ -369,6 +377,28 @@ def on_pod(
         if not any(c.get("type") == "Ready" and c.get("reason") == "PodsUnschedulable" for c in conditions):
             return
     on_child(namespace=namespace, labels=labels, logger=logger)
+
+
+@kopf.on.event(
+    "apiextensions.k8s.io", "v1", "customresourcedefinitions", when=lambda name, **_: name in OPTIONAL_CRDS
+)
+def on_optional_crd(name: str, type: str | None, logger: logging.Logger, **_: Any) -> None:
+    """A ServiceMonitor or ScaledObject CRD was installed, became Established or was removed: read
+    discovery again and reconcile every InferenceService in scope, so idle ones get (or stop
+    rendering) the object at once rather than at their next change."""
+    if type is None:
+        return  # the listing at start-up: the resume handlers reconcile everything anyway
+    cluster = _get_cluster()
+    cluster.refresh_discovery()
+    for namespace, isvc_name in cluster.inference_services(_namespaces):
+        with contextlib.suppress(ReconcileFailed):  # status says why
+            reconcile(namespace, isvc_name, logger)
+
+
+def configure_scope(namespaces: list[str], service_monitor_labels: dict[str, str]) -> None:
+    """The namespaces the operator watches (glob patterns, empty = all) and extra ServiceMonitor labels."""
+    global _namespaces, _service_monitor_labels
+    _namespaces, _service_monitor_labels = list(namespaces), dict(service_monitor_labels)
 
 
 def configure_autoscaler(prometheus_url: str | None, interval_seconds: float) -> None:

@@ -273,12 +273,16 @@ def render_pod_disruption_budget(owner: Owner) -> dict[str, Any]:
     }
 
 
-def render_service_monitor(owner: Owner) -> dict[str, Any]:
-    """A Prometheus-operator ServiceMonitor scraping the server's /metrics through the Service."""
+def render_service_monitor(owner: Owner, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """A Prometheus-operator ServiceMonitor scraping the server's /metrics through the Service;
+    `extra_labels` (operator setting) are what a Prometheus' serviceMonitorSelector looks for, such
+    as kube-prometheus-stack's `release: NAME`."""
+    metadata = _metadata(owner)
+    metadata["labels"] = {**(extra_labels or {}), **metadata["labels"]}
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(owner),
+        "metadata": metadata,
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name)},
             "endpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": "15s"}],
@@ -424,6 +428,7 @@ def render_all(
     service_monitor: bool,
     scaled_object: bool = False,
     prometheus_url: str | None = None,
+    service_monitor_labels: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object, in apply order: the ServiceMonitor only when its API exists; an HPA or a
     ScaledObject (when KEDA's API exists) for `autoscaling.engine` hpa or keda."""
@@ -433,7 +438,7 @@ def render_all(
         render_pod_disruption_budget(owner),
     ]
     if service_monitor:
-        objects.append(render_service_monitor(owner))
+        objects.append(render_service_monitor(owner, service_monitor_labels))
     engine = spec.autoscaling.engine if spec.autoscaling is not None else None
     if engine == "hpa":
         objects.append(render_hpa(owner, spec))

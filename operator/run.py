@@ -11,11 +11,14 @@ import argparse
 import faulthandler
 import logging
 import os
+import re
 import signal
 import sys
 
 import kopf
 import prometheus_client
+
+from conveyor.operator.spec import LABEL_KEY, LABEL_VALUE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=8081,
         help="port of the operator's own Prometheus metrics at /metrics (0: off; default 8081)",
     )
+    parser.add_argument(
+        "--service-monitor-label",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        type=_label,
+        help="extra label on every ServiceMonitor (repeatable), e.g. release=kube-prometheus-stack so "
+        "that a Prometheus' serviceMonitorSelector picks them up",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not re.match(LABEL_KEY, key) or not re.match(LABEL_VALUE, value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with a label key and value")
+    return key, value
 
 
 class _QuietRoutine(logging.Filter):
@@ -103,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     # Importing registers the handlers with kopf's default registry.
     from conveyor.operator import handlers
 
+    handlers.configure_scope(list(args.namespace), dict(args.service_monitor_label))
     handlers.configure_autoscaler(args.prometheus_url, args.autoscale_interval)
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from conveyor.operator.run import build_parser
 from tests.k8s.cluster import LocalCluster, ensure_binaries
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -109,6 +110,9 @@ def test_template_namespaces_and_peering(tmp_path: Path) -> None:
     assert "--peering=conveyor" in args and "--standalone" not in args
     args = operator_args(rendered(tmp_path, "--set", "autoscaler.prometheusUrl=http://prom:9090"))
     assert "--prometheus-url=http://prom:9090" in args
+    args = operator_args(rendered(tmp_path, "--set", "serviceMonitorLabels.release=kube-prometheus-stack"))
+    assert "--service-monitor-label=release=kube-prometheus-stack" in args
+    assert build_parser().parse_args(args[1:]).service_monitor_label == [("release", "kube-prometheus-stack")]
 
 
 # Every (verb, group, resource) the operator and kopf use. Checked with SubjectAccessReviews, which need
@@ -128,6 +132,9 @@ OPERATOR_PERMISSIONS: list[tuple[str, str, str]] = [
         for verb in ("get", "create", "patch", "delete")
     ],
     ("list", "", "pods"),
+    ("watch", "", "pods"),
+    ("list", "serving.conveyor.dev", "inferenceservices"),
+    ("watch", "apiextensions.k8s.io", "customresourcedefinitions"),
     ("patch", "apps", "deployments/scale"),
     ("create", "", "events"),
     ("list", "apiextensions.k8s.io", "customresourcedefinitions"),

@@ -188,3 +188,34 @@ def test_pods_the_scheduler_cannot_place_are_named_in_ready(env: Env) -> None:
         assert resource["status"]["url"] == f"http://pending.{env.namespace}.svc.cluster.local"
     finally:
         env.delete("pending")
+
+
+def test_service_monitors_follow_their_crd_and_are_recreated(env: Env, tmp_path) -> None:
+    """An idle InferenceService gets its ServiceMonitor when the CRD is installed (no spec change),
+    with the operator's extra labels, and a deleted ServiceMonitor comes back."""
+    env.cluster.kubectl("delete", "crd", SERVICE_MONITOR_CRD_NAME, "--ignore-not-found", "--wait=true")
+    env.operator.stop()
+    env.operator = Operator(
+        env.cluster, env.namespace, tmp_path / "operator.log", "--service-monitor-label", "release=kps"
+    )
+    env.apply(isvc("idle"))
+    try:
+        env.wait_ready("idle")
+        _install_service_monitor_crd(env.cluster)
+        monitor = env.eventually(lambda: env.get("servicemonitor", "idle"), "the ServiceMonitor", timeout=30)
+        assert monitor["metadata"]["labels"]["release"] == "kps"
+        assert monitor["metadata"]["ownerReferences"][0]["name"] == "idle"
+        uid = monitor["metadata"]["uid"]
+        # kopf starts watching a kind whose CRD just appeared a moment later (and retries while the
+        # API server's storage for it initialises): a deletion before that is not seen by anyone.
+        time.sleep(5)
+        env.kubectl("delete", "servicemonitor", "idle")
+        again = env.eventually(
+            lambda: (m := env.get("servicemonitor", "idle")) and m["metadata"]["uid"] != uid and m,
+            "the ServiceMonitor recreated",
+            timeout=30,
+        )
+        assert again["metadata"]["labels"]["release"] == "kps"
+    finally:
+        env.delete("idle")
+        _install_service_monitor_crd(env.cluster)
