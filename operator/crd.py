@@ -100,12 +100,14 @@ def _status_schema() -> dict[str, Any]:
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
     {"name": "GPU", "type": "string", "jsonPath": ".spec.resources.gpuType"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
-    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
     {"name": "Scaling", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Scaling")].reason'},
     {"name": "MaxSeqs", "type": "integer", "jsonPath": ".status.capacity.maxNumSeqs"},
-    {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

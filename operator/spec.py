@@ -444,12 +444,12 @@ class InferenceServiceSpec(_CamelModel):
 class Condition(_CamelModel):
     """A metav1.Condition."""
 
-    type: str
+    type: str = Field(description="CapacityPlanned, Ready, Scaling or MetricsAvailable.")
     status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
+    reason: str = Field(description="CamelCase cause, e.g. ReplicasReady, ApplyFailed, PodsUnschedulable.")
+    message: str = Field(default="", description="What happened, with the numbers.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, description="The spec generation it describes.")
 
 
 class CapacityStatus(_CamelModel):
@@ -480,11 +480,13 @@ class ObservedMetrics(_CamelModel):
 class DecisionRecord(_CamelModel):
     """One autoscaling decision."""
 
-    time: str
-    from_replicas: int = Field(alias="from")
-    to: int
-    reason: str
-    message: str
+    time: str = Field(description="When it was decided (RFC 3339).")
+    from_replicas: int = Field(alias="from", description="Replicas before.")
+    to: int = Field(description="Replicas decided.")
+    reason: str = Field(
+        description="CamelCase reason, e.g. ScaleUp, ScaleDownStabilizing, MetricsUnavailable."
+    )
+    message: str = Field(description="The inputs and the arithmetic.")
 
 
 class RecommendationRecord(_CamelModel):
@@ -505,29 +507,39 @@ class AutoscalerStatus(_CamelModel):
     """The builtin autoscaler's state: its last reading, its last decisions, and the history its
     stabilization windows and rate limits need (so an operator restart loses nothing)."""
 
-    metrics: ObservedMetrics | None = None
+    metrics: ObservedMetrics | None = Field(default=None, description="The last reading from Prometheus.")
     decisions: list[DecisionRecord] = Field(default_factory=list, description="Newest last, at most 5.")
-    recommendations: list[RecommendationRecord] = Field(default_factory=list)
-    scale_events: list[ScaleEventRecord] = Field(default_factory=list)
+    recommendations: list[RecommendationRecord] = Field(
+        default_factory=list, description="Recent recommendations, for the stabilization windows."
+    )
+    scale_events: list[ScaleEventRecord] = Field(
+        default_factory=list, description="Recent changes of replicas, for the rate limits."
+    )
 
 
 class InferenceServiceStatus(_CamelModel):
     """Observed state of an InferenceService, written by the operator."""
 
-    observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    capacity: CapacityStatus | None = None
-    replicas: int | None = None
-    ready_replicas: int | None = None
+    observed_generation: int | None = Field(default=None, description="The spec generation last reconciled.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="CapacityPlanned, Ready, Scaling and (autoscaled) MetricsAvailable."
+    )
+    capacity: CapacityStatus | None = Field(
+        default=None, description="The KV-capacity plan behind max_num_seqs."
+    )
+    replicas: int | None = Field(default=None, description="Pods of the server Deployment.")
+    ready_replicas: int | None = Field(default=None, description="Pods that pass their readiness probe.")
     desired_replicas: int | None = Field(
         default=None, description="Replicas wanted now: the spec's, or the autoscaler's last decision."
     )
     last_scale_time: str | None = Field(
         default=None, description="When the autoscaler last changed replicas."
     )
-    autoscaler: AutoscalerStatus | None = None
-    url: str | None = None
-    selector: str | None = None
+    autoscaler: AutoscalerStatus | None = Field(default=None, description="The builtin autoscaler's state.")
+    url: str | None = Field(
+        default=None, description="In-cluster base URL of the OpenAI API, once a replica is Ready."
+    )
+    selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
 
 
 def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:

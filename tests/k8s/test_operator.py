@@ -97,30 +97,24 @@ def test_llama_example_reproduces_the_worked_example(env: Env) -> None:
         env.eventually(lambda: env.condition("llama-3-8b", "MetricsAvailable"), "the autoscaler's first step")
         table = env.kubectl("get", "cisvc", "llama-3-8b").stdout
         header, row = table.splitlines()
-        assert header.split() == [
-            "NAME",
-            "MODEL",
-            "GPU",
-            "REPLICAS",
-            "READY",
-            "DESIRED",
-            "SCALING",
-            "MAXSEQS",
-            "URL",
-            "AGE",
-        ]
+        columns = ["NAME", "MODEL", "GPU", "READY", "REASON", "REPLICAS", "AVAILABLE", "DESIRED", "SCALING"]
+        assert header.split() == [*columns, "MAXSEQS", "AGE"]
         # The example autoscales; this operator has no --prometheus-url, so the autoscaler holds.
-        assert row.split()[:9] == [
+        assert row.split()[:10] == [
             "llama-3-8b",
             "llama-3-8b",
             "a100-80gb",
+            "True",
+            "ReplicasReady",
             "1",
             "1",
             "1",
             "MetricsUnavailable",
             "112",
-            f"http://llama-3-8b.{env.namespace}.svc.cluster.local",
         ]
+        wide = env.kubectl("get", "cisvc", "llama-3-8b", "-o", "wide").stdout.splitlines()
+        assert wide[0].split()[-2:] == ["URL", "AGE"]
+        assert f"http://llama-3-8b.{env.namespace}.svc.cluster.local" in wide[1].split()
     finally:
         env.delete("llama-3-8b")
 
