@@ -156,7 +156,19 @@ def test_crd_names_subresources_and_columns() -> None:
     }
     assert version["subresources"]["status"] == {}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "GPU", "Replicas", "Ready", "Desired", "Scaling", "MaxSeqs", "URL", "Age"]
+    assert columns == [
+        "Model",
+        "GPU",
+        "Ready",
+        "Reason",
+        "Replicas",
+        "Available",
+        "Desired",
+        "Scaling",
+        "MaxSeqs",
+        "URL",
+        "Age",
+    ]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert set(status["capacity"]["properties"]) == {
         "kvBytesPerToken",
