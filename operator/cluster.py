@@ -178,13 +178,23 @@ class Cluster:
         return (len(messages), messages[0]) if messages else None
 
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
-        """Write the Deployment's replicas through its scale subresource."""
-        self.apps.patch_namespaced_deployment_scale(
-            name, namespace, {"spec": {"replicas": replicas}}, field_manager=AUTOSCALER_FIELD_MANAGER
-        )
+        """Write the Deployment's replicas through its scale subresource (nothing when it was deleted
+        meanwhile)."""
+        try:
+            self.apps.patch_namespaced_deployment_scale(
+                name, namespace, {"spec": {"replicas": replicas}}, field_manager=AUTOSCALER_FIELD_MANAGER
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        """Merge-patch the status subresource (None values delete fields)."""
-        self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, {"status": status}
-        )
+        """Merge-patch the status subresource (None values delete fields); nothing when the resource
+        was deleted meanwhile (a race, not an error)."""
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": status}
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
