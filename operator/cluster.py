@@ -177,6 +177,13 @@ class Cluster:
         ]
         return (len(messages), messages[0]) if messages else None
 
+    def remove_env(self, namespace: str, name: str, container: str, names: list[str]) -> None:
+        """Delete environment variables from one container of a Deployment (a strategic-merge patch;
+        server-side apply leaves entries other field managers added)."""
+        entries = [{"name": n, "$patch": "delete"} for n in names]
+        patch = {"spec": {"template": {"spec": {"containers": [{"name": container, "env": entries}]}}}}
+        self.apps.patch_namespaced_deployment(name, namespace, patch)
+
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
         """Write the Deployment's replicas through its scale subresource (nothing when it was deleted
         meanwhile)."""

@@ -36,6 +36,7 @@ from conveyor.operator.render import (
     FIELD_MANAGER,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
+    SERVER_CONTAINER,
     Owner,
     render_all,
 )
@@ -158,14 +159,34 @@ def _apply_children(
     deployment = None
     for obj, live, would_be in checked:
         stored = live
-        if live is None or configuration(live) != configuration(would_be):
+        meta = obj["metadata"]
+        foreign = _foreign_env(obj, would_be) if obj["kind"] == "Deployment" else []
+        if live is None or configuration(live) != configuration(would_be) or foreign:
             stored = cluster.apply(obj)
-            message = f"{'created' if live is None else 'updated'} {obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"
+            message = (
+                f"{'created' if live is None else 'updated'} {obj['kind']} {meta['namespace']}/{meta['name']}"
+            )
+            if foreign:
+                cluster.remove_env(meta["namespace"], meta["name"], SERVER_CONTAINER, foreign)
+                stored = cluster.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+                message += f" (removed env {', '.join(foreign)}: not in the spec)"
             kopf.event(body, type="Normal", reason="Created" if live is None else "Updated", message=message)
             logger.info(message)
         if obj["kind"] == "Deployment":
             deployment = stored
     return deployment
+
+
+def _foreign_env(rendered: dict[str, Any], would_be: dict[str, Any]) -> list[str]:
+    """Environment variables of the server container that someone else added (`kubectl set env`):
+    server-side apply keeps them, so drift correction removes them explicitly."""
+
+    def env(obj: dict[str, Any]) -> list[str]:
+        containers = obj["spec"]["template"]["spec"].get("containers") or []
+        return [e["name"] for c in containers if c["name"] == SERVER_CONTAINER for e in c.get("env") or []]
+
+    ours = set(env(rendered))
+    return [name for name in env(would_be) if name not in ours]
 
 
 def _reconcile(

@@ -37,6 +37,7 @@ STARTUP_FAILURE_THRESHOLD = 180
 
 MODELS_MOUNT = "/models"
 HF_HOME = "/models/hf-cache"
+SERVER_CONTAINER = "server"
 
 
 @dataclass(frozen=True)
@@ -174,9 +175,14 @@ def render_deployment(
     _, model_volume = model_source(spec)
     # Tensor-parallel workers exchange tensors through /dev/shm (NCCL); the container default of
     # 64 MiB is far too small, so mount a memory-backed emptyDir there.
+    cache = spec.model.cache
+    if cache.claim_name is not None:
+        hf_cache: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+    else:
+        hf_cache = {"emptyDir": {"sizeLimit": cache.size_limit} if cache.size_limit else {}}
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        {"name": "hf-cache", "emptyDir": {}},
+        {"name": "hf-cache", **hf_cache},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -196,11 +202,14 @@ def render_deployment(
     ]
 
     container = {
-        "name": "server",
+        "name": SERVER_CONTAINER,
         "image": spec.image,
         "command": ["conveyor"],
         "args": server_args(spec, plan),
-        "env": [{"name": "HF_HOME", "value": HF_HOME}],
+        "env": [
+            {"name": "HF_HOME", "value": HF_HOME},
+            *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.env),
+        ],
         "ports": [{"name": PORT_NAME, "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "resources": resources,
         "startupProbe": _probe("/health", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD),
@@ -208,6 +217,8 @@ def render_deployment(
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
     }
+    if spec.env_from:
+        container["envFrom"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env_from]
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "nodeSelector": node_selector,

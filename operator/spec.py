@@ -79,6 +79,145 @@ class _CamelModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
 
+class KeyRef(_CamelModel):
+    """A key of a Secret or ConfigMap in the resource's namespace."""
+
+    name: str = Field(pattern=DNS1123_SUBDOMAIN, max_length=253, description="The Secret or ConfigMap.")
+    key: str = Field(min_length=1, max_length=253, description="The key in it.")
+    optional: bool | None = Field(default=None, description="Start even when it is missing.")
+
+
+class FieldRef(_CamelModel):
+    """A field of the pod (metadata.name, metadata.namespace, status.podIP, ...)."""
+
+    field_path: str = Field(min_length=1, max_length=256)
+
+
+class EnvVarSource(_CamelModel):
+    """Where an environment variable's value comes from (core/v1 EnvVarSource, one of)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "[has(self.secretKeyRef), has(self.configMapKeyRef), has(self.fieldRef)]"
+                    ".filter(x, x).size() == 1",
+                    "valueFrom takes exactly one of secretKeyRef, configMapKeyRef, fieldRef",
+                )
+            ]
+        }
+    )
+
+    secret_key_ref: KeyRef | None = None
+    config_map_key_ref: KeyRef | None = None
+    field_ref: FieldRef | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVarSource:
+        if sum(x is not None for x in (self.secret_key_ref, self.config_map_key_ref, self.field_ref)) != 1:
+            raise ValueError("valueFrom takes exactly one of secretKeyRef, configMapKeyRef, fieldRef")
+        return self
+
+
+# Environment variables the operator sets itself.
+OWNED_ENV = {"HF_HOME"}
+
+
+class EnvVar(_CamelModel):
+    """An environment variable of the server container (core/v1 EnvVar), e.g. HF_TOKEN from a Secret."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel("!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both"),
+                _cel(
+                    "!(self.name in [" + ", ".join(f"'{n}'" for n in sorted(OWNED_ENV)) + "])",
+                    "HF_HOME is set by the operator (it is where the model cache is mounted)",
+                ),
+            ]
+        }
+    )
+
+    name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
+    value: str | None = None
+    value_from: EnvVarSource | None = None
+
+    @model_validator(mode="after")
+    def _value_or_source(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError("set value or valueFrom, not both")
+        if self.name in OWNED_ENV:
+            raise ValueError(f"{self.name} is set by the operator (it is where the model cache is mounted)")
+        return self
+
+
+class LocalObjectRef(_CamelModel):
+    """A Secret or ConfigMap whose every key becomes an environment variable."""
+
+    name: str = Field(pattern=DNS1123_SUBDOMAIN, max_length=253)
+    optional: bool | None = None
+
+
+class EnvFromSource(_CamelModel):
+    """core/v1 EnvFromSource: all keys of one Secret or ConfigMap, optionally prefixed."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "has(self.secretRef) != has(self.configMapRef)",
+                    "envFrom takes exactly one of secretRef, configMapRef",
+                )
+            ]
+        }
+    )
+
+    prefix: str | None = Field(default=None, max_length=256)
+    secret_ref: LocalObjectRef | None = None
+    config_map_ref: LocalObjectRef | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvFromSource:
+        if (self.secret_ref is None) == (self.config_map_ref is None):
+            raise ValueError("envFrom takes exactly one of secretRef, configMapRef")
+        return self
+
+
+class ModelCacheSpec(_CamelModel):
+    """Where pods keep downloaded weights (HF_HOME): by default an emptyDir per pod, so every new pod
+    downloads again; a PersistentVolumeClaim (ReadWriteMany) shares one download between pods."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!(has(self.claimName) && has(self.sizeLimit))",
+                    "sizeLimit is for the emptyDir; a claim has its own size",
+                )
+            ]
+        }
+    )
+
+    claim_name: str | None = Field(
+        default=None,
+        pattern=DNS1123_SUBDOMAIN,
+        max_length=253,
+        description="A PersistentVolumeClaim in the namespace, mounted read-write at HF_HOME.",
+    )
+    size_limit: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        max_length=64,
+        description="Size limit of the per-pod emptyDir (e.g. 100Gi); the kubelet evicts a pod past it.",
+    )
+
+    @model_validator(mode="after")
+    def _claim_or_size(self) -> ModelCacheSpec:
+        if self.claim_name is not None and self.size_limit is not None:
+            raise ValueError("sizeLimit is for the emptyDir; a claim has its own size")
+        return self
+
+
 class ModelSpec(_CamelModel):
     """Which model to serve and how long its sequences may be."""
 
@@ -101,6 +240,9 @@ class ModelSpec(_CamelModel):
     kv_heads: int | None = Field(default=None, ge=1, description="Override: number of KV heads.")
     head_dim: int | None = Field(default=None, ge=1, description="Override: attention head dimension.")
     params: int | None = Field(default=None, ge=1, description="Override: number of parameters.")
+    cache: ModelCacheSpec = Field(
+        default_factory=ModelCacheSpec, description="Where pods keep downloaded weights (HF_HOME)."
+    )
 
 
 class ResourcesSpec(_CamelModel):
@@ -408,6 +550,14 @@ class InferenceServiceSpec(_CamelModel):
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=64, description="Extra pod tolerations."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=128,
+        description="Environment variables of the server container (e.g. HF_TOKEN from a Secret).",
+    )
+    env_from: list[EnvFromSource] = Field(
+        default_factory=list, max_length=16, description="Secrets or ConfigMaps whose keys become variables."
     )
     service_account_name: str | None = Field(
         default=None,

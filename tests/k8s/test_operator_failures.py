@@ -219,3 +219,54 @@ def test_service_monitors_follow_their_crd_and_are_recreated(env: Env, tmp_path)
     finally:
         env.delete("idle")
         _install_service_monitor_crd(env.cluster)
+
+
+def test_env_env_from_and_the_model_cache_reach_the_pods_and_hand_added_env_is_removed(env: Env) -> None:
+    spec = {
+        "env": [
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+            {"name": "LOG_FORMAT", "value": "json"},
+        ],
+        "envFrom": [{"configMapRef": {"name": "tuning"}, "prefix": "CONVEYOR_"}],
+        "model": {"cache": {"sizeLimit": "100Gi"}},
+    }
+    env.apply(isvc("withenv", **spec))
+    try:
+        env.wait_ready("withenv")
+        deployment = env.get("deployment", "withenv")
+        assert deployment is not None
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert [e["name"] for e in container["env"]] == ["HF_HOME", "HF_TOKEN", "LOG_FORMAT"]
+        assert container["env"][1]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+        assert container["envFrom"] == [{"configMapRef": {"name": "tuning"}, "prefix": "CONVEYOR_"}]
+        cache = next(v for v in pod["volumes"] if v["name"] == "hf-cache")
+        assert cache == {"name": "hf-cache", "emptyDir": {"sizeLimit": "100Gi"}}
+
+        env.kubectl("set", "env", "deployment/withenv", "-c", "server", "DEBUG_HACK=1")
+
+        def cleaned() -> bool:
+            d = env.get("deployment", "withenv") or {}
+            names = [e["name"] for e in d["spec"]["template"]["spec"]["containers"][0]["env"]]
+            return names == ["HF_HOME", "HF_TOKEN", "LOG_FORMAT"]
+
+        env.eventually(cleaned, "the hand-added variable removed")
+        messages = [e["message"] for e in _events(env, "withenv", "Updated")]
+        assert any("removed env DEBUG_HACK: not in the spec" in m for m in messages), messages
+    finally:
+        env.delete("withenv")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"env": [{"name": "HF_HOME", "value": "/tmp"}]}, "HF_HOME is set by the operator"),
+        ({"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}, "not both"),
+        ({"envFrom": [{"prefix": "X_"}]}, "envFrom takes exactly one of secretRef, configMapRef"),
+        ({"model": {"cache": {"claimName": "w", "sizeLimit": "1Gi"}}}, "sizeLimit is for the emptyDir"),
+    ],
+)
+def test_bad_env_and_cache_are_refused_at_admission(env: Env, spec: dict[str, Any], message: str) -> None:
+    result = env.kubectl("apply", "-f", "-", input=json.dumps(isvc("badenv", **spec)), check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
