@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.k8s.cluster import LocalCluster
-from tests.k8s.operator_env import CRD_PATH, SERVICE_MONITOR_CRD, Env, Operator, isvc
+from tests.k8s.operator_env import CRD_PATH, SERVICE_MONITOR_CRD, Env, Operator, container_args, isvc
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -117,6 +119,7 @@ def test_a_child_the_api_server_refuses_sets_ready_false_and_creates_nothing(env
             "Ready=False ApplyForbidden",
         )
         assert ready["status"] == "False"
+        assert "url" not in (env.get("inferenceservice", "refused") or {})["status"]  # nothing answers
         assert ready["message"].startswith("PodDisruptionBudget refused: ")
         assert "exceeded quota: no-pdbs" in ready["message"]
         time.sleep(15)  # kopf retries with a growing delay meanwhile
@@ -145,6 +148,12 @@ def test_status_writes_and_drift_give_updated_events_only_for_real_updates(env: 
         time.sleep(3)  # the pods' and the PDB's status churn meanwhile
         updated = [e["message"] for e in _events(env, "quiet", "Updated")]
         assert updated == [f"updated Deployment {env.namespace}/quiet"]
+        # A catalog model without model.uri serves the catalog's hub id, not its own name.
+        deployment = env.get("deployment", "quiet")
+        assert deployment is not None
+        assert container_args(deployment)[:2] == ["serve", "meta-llama/Meta-Llama-3-8B-Instruct"]
+        # Child status changes are routine: no INFO line for each.
+        assert "Handler 'on_child' succeeded" not in env.operator.log_path.read_text()
     finally:
         env.delete("quiet")
 
@@ -270,3 +279,109 @@ def test_bad_env_and_cache_are_refused_at_admission(env: Env, spec: dict[str, An
     result = env.kubectl("apply", "-f", "-", input=json.dumps(isvc("badenv", **spec)), check=False)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+_FLAGS = ["--seed", "7", "--max-num-seqs", "--port", "--no-such-flag", "--scheduling-policy", "priority", "x"]
+_SPECS = st.fixed_dictionaries(
+    {
+        "model": st.fixed_dictionaries(
+            {
+                "name": st.sampled_from(
+                    ["llama-3-8b", "smollm2-135m", "qwen2.5-7b", "llama-3-70b", "nonesuch"]
+                ),
+                "maxModelLen": st.sampled_from([16, 2048, 8192, 131072, 1_048_576]),
+            },
+            optional={"dtype": st.sampled_from(["auto", "float16", "bfloat16", "float32"])},
+        ),
+        "resources": st.fixed_dictionaries(
+            {"gpuType": st.sampled_from(["a100-80gb", "h100-80gb", "l4", "t4", "tpu-v5"])},
+            optional={
+                "gpusPerReplica": st.integers(1, 16),
+                "tensorParallelSize": st.sampled_from([1, 2, 3, 8]),
+                "cpu": st.sampled_from(["8", "500m", "lots", "1e3"]),
+                "memory": st.sampled_from(["64Gi", "64 GB", "1.5Ti"]),
+            },
+        ),
+    },
+    optional={
+        "replicas": st.integers(0, 2),
+        "engine": st.fixed_dictionaries(
+            {},
+            optional={
+                "maxNumSeqs": st.integers(1, 100_000),
+                "gpuMemoryUtilization": st.sampled_from([0.1, 0.5, 0.9, 1.0]),
+                "blockSize": st.sampled_from([8, 16, 32]),
+                "extraArgs": st.lists(st.sampled_from(_FLAGS), max_size=3),
+            },
+        ),
+        "nodeSelector": st.dictionaries(
+            st.sampled_from(["zone", "bad key!", "example.com/pool"]), st.just("a"), max_size=2
+        ),
+        "tolerations": st.lists(
+            st.fixed_dictionaries(
+                {"key": st.sampled_from(["gpu", "spot"])},
+                optional={
+                    "operator": st.sampled_from(["Exists", "Equal"]),
+                    "value": st.sampled_from(["", "yes"]),
+                },
+            ),
+            max_size=2,
+        ),
+        "env": st.lists(
+            st.fixed_dictionaries({"name": st.sampled_from(["A", "HF_HOME", "B_1"]), "value": st.just("1")}),
+            max_size=2,
+            unique_by=lambda e: e["name"],
+        ),
+    },
+)
+
+
+def _settled(env: Env, name: str) -> dict[str, Any] | None:
+    """Ready=True, or some condition False with a reason, for the current generation."""
+    resource = env.get("inferenceservice", name) or {}
+    status = resource.get("status") or {}
+    if status.get("observedGeneration") != resource.get("metadata", {}).get("generation"):
+        return None
+    conditions = {c["type"]: c for c in status.get("conditions") or []}
+    ready = conditions.get("Ready")
+    if ready is None:
+        return None
+    if ready["status"] == "True" or all(c["reason"] for c in conditions.values() if c["status"] == "False"):
+        return conditions
+    return None
+
+
+def test_every_accepted_spec_reconciles_or_says_why(env: Env) -> None:
+    """Random specs over the schema's fields, valid and not: whatever the API server accepts ends
+    Ready, or with a False condition naming its reason, for its generation within 30 s; meanwhile
+    the operator keeps reconciling a healthy resource."""
+    env.apply(isvc("sentinel"))
+    accepted: list[str] = []
+    try:
+        env.wait_ready("sentinel")
+        counter = iter(range(1000))
+
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(spec=_SPECS)
+        def check(spec: dict[str, Any]) -> None:
+            name = f"prop-{next(counter)}"
+            manifest = {**isvc(name), "spec": spec}
+            if env.kubectl("apply", "-f", "-", input=json.dumps(manifest), check=False).returncode != 0:
+                return  # refused at admission: nothing to reconcile
+            accepted.append(name)
+            try:
+                env.eventually(
+                    lambda: _settled(env, name), f"{name} settled ({json.dumps(spec)})", timeout=30
+                )
+            finally:
+                env.kubectl("delete", "inferenceservice", name, "--wait=false")
+
+        check()
+        assert len(accepted) >= 5, "too few specs got past admission to test anything"
+        env.apply(isvc("sentinel", replicas=2))
+        env.wait_ready("sentinel", replicas=2, timeout=30)
+        assert "Traceback" not in env.operator.log_path.read_text()
+    finally:
+        env.delete("sentinel")
+        for name in accepted:
+            env.kubectl("delete", "inferenceservice", name, "--ignore-not-found", "--wait=false")
