@@ -385,3 +385,13 @@ def test_every_accepted_spec_reconciles_or_says_why(env: Env) -> None:
         env.delete("sentinel")
         for name in accepted:
             env.kubectl("delete", "inferenceservice", name, "--ignore-not-found", "--wait=false")
+
+
+def test_writes_that_race_a_deletion_are_not_errors(env: Env) -> None:
+    """A status or scale write for a resource deleted a moment before is a 404, not a traceback."""
+    from conveyor.operator.cluster import Cluster
+
+    cluster = Cluster(env.cluster.api_client)
+    cluster.patch_status(env.namespace, "gone", {"replicas": 1})
+    cluster.scale_deployment(env.namespace, "gone", 2)
+    assert env.get("inferenceservice", "gone") is None and env.get("deployment", "gone") is None
