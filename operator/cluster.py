@@ -43,9 +43,18 @@ def _api_error(obj: dict[str, Any], exc: DynamicApiError) -> ApplyError:
     return ApplyError(obj["kind"], obj["metadata"]["name"], exc.status or 0, str(message))
 
 
+# Annotations controllers maintain on our children (the Deployment controller's rollout revision).
+_CONTROLLER_ANNOTATIONS = ("deployment.kubernetes.io/revision",)
+
+
 def configuration(obj: dict[str, Any]) -> dict[str, Any]:
-    """`obj` without its status and the metadata the API server maintains."""
+    """`obj` without its status, the metadata the API server maintains and annotations controllers
+    maintain."""
     meta = {k: v for k, v in obj.get("metadata", {}).items() if k not in _SERVER_METADATA}
+    annotations = {
+        k: v for k, v in (meta.get("annotations") or {}).items() if k not in _CONTROLLER_ANNOTATIONS
+    }
+    meta["annotations"] = annotations or None
     return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
 
 
@@ -177,11 +186,16 @@ class Cluster:
         ]
         return (len(messages), messages[0]) if messages else None
 
-    def remove_env(self, namespace: str, name: str, container: str, names: list[str]) -> None:
-        """Delete environment variables from one container of a Deployment (a strategic-merge patch;
-        server-side apply leaves entries other field managers added)."""
-        entries = [{"name": n, "$patch": "delete"} for n in names]
-        patch = {"spec": {"template": {"spec": {"containers": [{"name": container, "env": entries}]}}}}
+    def remove_env(self, namespace: str, name: str, container: str, names: list[str], env_from: bool) -> None:
+        """Delete environment variables (and, with `env_from`, the whole envFrom list) from one
+        container of a Deployment: a strategic-merge patch, since server-side apply leaves what other
+        field managers added."""
+        patched: dict[str, Any] = {"name": container}
+        if names:
+            patched["env"] = [{"name": n, "$patch": "delete"} for n in names]
+        if env_from:
+            patched["envFrom"] = None
+        patch = {"spec": {"template": {"spec": {"containers": [patched]}}}}
         self.apps.patch_namespaced_deployment(name, namespace, patch)
 
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:

@@ -48,6 +48,7 @@ from conveyor.operator.spec import (
     VERSION,
     InferenceServiceSpec,
     parse_spec,
+    validation_message,
 )
 from conveyor.operator.status import (
     METRICS_AVAILABLE,
@@ -160,33 +161,46 @@ def _apply_children(
     for obj, live, would_be in checked:
         stored = live
         meta = obj["metadata"]
-        foreign = _foreign_env(obj, would_be) if obj["kind"] == "Deployment" else []
+        foreign_env, foreign_env_from = (
+            _foreign_env(obj, would_be) if obj["kind"] == "Deployment" else ([], False)
+        )
+        foreign = foreign_env or foreign_env_from
         if live is None or configuration(live) != configuration(would_be) or foreign:
             stored = cluster.apply(obj)
-            message = (
-                f"{'created' if live is None else 'updated'} {obj['kind']} {meta['namespace']}/{meta['name']}"
-            )
+            note = ""
             if foreign:
-                cluster.remove_env(meta["namespace"], meta["name"], SERVER_CONTAINER, foreign)
+                cluster.remove_env(
+                    meta["namespace"], meta["name"], SERVER_CONTAINER, foreign_env, foreign_env_from
+                )
                 stored = cluster.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-                message += f" (removed env {', '.join(foreign)}: not in the spec)"
-            kopf.event(body, type="Normal", reason="Created" if live is None else "Updated", message=message)
-            logger.info(message)
+                removed = [f"env {', '.join(foreign_env)}"] if foreign_env else []
+                removed += ["envFrom"] if foreign_env_from else []
+                note = f" (removed {' and '.join(removed)}: not in the spec)"
+            # Only a write that changed something is an update (the live object may have moved on
+            # between the read and the dry run, e.g. a controller's status write).
+            if live is None or foreign or configuration(live) != configuration(stored or {}):
+                action = "created" if live is None else "updated"
+                message = f"{action} {obj['kind']} {meta['namespace']}/{meta['name']}{note}"
+                kopf.event(body, type="Normal", reason=action.capitalize(), message=message)
+                logger.info(message)
         if obj["kind"] == "Deployment":
             deployment = stored
     return deployment
 
 
-def _foreign_env(rendered: dict[str, Any], would_be: dict[str, Any]) -> list[str]:
-    """Environment variables of the server container that someone else added (`kubectl set env`):
-    server-side apply keeps them, so drift correction removes them explicitly."""
+def _foreign_env(rendered: dict[str, Any], would_be: dict[str, Any]) -> tuple[list[str], bool]:
+    """(environment variables, whether an envFrom list) of the server container that someone else
+    added (`kubectl set env`, a patch): server-side apply keeps them, so drift correction removes
+    them explicitly. An envFrom the spec renders is ours and replaced whole by the apply."""
 
-    def env(obj: dict[str, Any]) -> list[str]:
+    def server(obj: dict[str, Any]) -> dict[str, Any]:
         containers = obj["spec"]["template"]["spec"].get("containers") or []
-        return [e["name"] for c in containers if c["name"] == SERVER_CONTAINER for e in c.get("env") or []]
+        return next((c for c in containers if c["name"] == SERVER_CONTAINER), {})
 
-    ours = set(env(rendered))
-    return [name for name in env(would_be) if name not in ours]
+    ours, theirs = server(rendered), server(would_be)
+    names = {e["name"] for e in ours.get("env") or []}
+    env = [e["name"] for e in theirs.get("env") or [] if e["name"] not in names]
+    return env, bool(theirs.get("envFrom")) and not ours.get("envFrom")
 
 
 def _reconcile(
@@ -213,7 +227,7 @@ def _reconcile(
             spec = parse_spec(body.get("spec") or {})
             plan = plan_for_spec(spec)
     except ValidationError as exc:
-        failure = ("InvalidSpec", str(exc))
+        failure = ("InvalidSpec", validation_message(exc))
     except PlanningError as exc:
         failure = (FAILURE_REASONS.get(type(exc).__name__, "PlanningFailed"), str(exc))
 
@@ -287,6 +301,12 @@ def _reconcile(
     )
     if _without_none(status) != _without_none({k: previous.get(k) for k in status}):
         cluster.patch_status(namespace, name, status)
+    if unschedulable is not None:
+        was = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), {})
+        now_ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        if now_ready["reason"] == "PodsUnschedulable" and was.get("reason") != "PodsUnschedulable":
+            kopf.event(body, type="Warning", reason="PodsUnschedulable", message=now_ready["message"])
+            logger.warning(now_ready["message"])
     if apply_failure is not None:
         was = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), {})
         if (was.get("reason"), was.get("message")) != apply_failure:

@@ -10,7 +10,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 GROUP = "serving.conveyor.dev"
@@ -311,7 +319,9 @@ class EngineSpec(_CamelModel):
                 _cel(
                     f"self.all(a, !a.matches('{_OWNED_FLAG_RE}'))",
                     "extraArgs must not set flags the operator sets from the spec ("
-                    + ", ".join(sorted({f.removeprefix("--no-") for f in OWNED_FLAGS}))
+                    + ", ".join(
+                        sorted({"--" + f.removeprefix("--").removeprefix("no-") for f in OWNED_FLAGS})
+                    )
                     + "): use the spec's fields",
                 )
             ]
@@ -515,7 +525,8 @@ class InferenceServiceSpec(_CamelModel):
             "x-kubernetes-validations": [
                 _cel(
                     "!(has(self.replicas) && has(self.autoscaling))",
-                    "set either replicas or autoscaling, not both",
+                    "set either replicas or autoscaling, not both (an autoscaled InferenceService is "
+                    "not scaled by hand: change autoscaling.minReplicas and maxReplicas instead)",
                 )
             ]
         }
@@ -555,6 +566,8 @@ class InferenceServiceSpec(_CamelModel):
         default_factory=list,
         max_length=128,
         description="Environment variables of the server container (e.g. HF_TOKEN from a Secret).",
+        # A list map keyed by name: the API server refuses two entries with one name, as a pod would.
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     env_from: list[EnvFromSource] = Field(
         default_factory=list, max_length=16, description="Secrets or ConfigMaps whose keys become variables."
@@ -565,6 +578,15 @@ class InferenceServiceSpec(_CamelModel):
         max_length=253,
         description="Service account of the pods (a DNS-1123 subdomain).",
     )
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env(cls, value: list[EnvVar]) -> list[EnvVar]:
+        names = [e.name for e in value]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"env names must be unique: {', '.join(duplicates)} repeated")
+        return value
 
     @field_validator("node_selector")
     @classmethod
@@ -690,6 +712,15 @@ class InferenceServiceStatus(_CamelModel):
         default=None, description="In-cluster base URL of the OpenAI API, once a replica is Ready."
     )
     selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
+
+
+def validation_message(exc: ValidationError) -> str:
+    """pydantic's errors as one line a user reads in a condition: `field: message; ...`."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in error["loc"]) or "spec"
+        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:

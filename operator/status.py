@@ -201,7 +201,13 @@ def build_status(
     else:
         workload = [
             make_condition(
-                t, False, "InvalidSpec", "", generation=generation, now=now, previous=conditions_before
+                t,
+                False,
+                "InvalidSpec",
+                "the spec cannot be used: see CapacityPlanned",
+                generation=generation,
+                now=now,
+                previous=conditions_before,
             )
             for t in (READY, SCALING)
         ]

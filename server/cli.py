@@ -106,7 +106,8 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     parser = parser_class(prog="conveyor", description="LLM serving on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    # No abbreviations: `--po=1` must not pass for `--port` (the operator refuses flags it owns by name).
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API", allow_abbrev=False)
     serve.add_argument("model", nargs="?", default=None, help=ModelConfig.model_fields["model"].description)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     for group in _SERVE_GROUPS.values():

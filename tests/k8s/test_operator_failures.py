@@ -94,7 +94,10 @@ def test_unknown_server_flags_are_reported_not_deployed(env: Env) -> None:
             "CapacityPlanned=False",
         )
         assert planned["reason"] == "InvalidSpec"
-        assert "unrecognized arguments: --no-such-flag" in planned["message"]
+        assert planned["message"] == (
+            "engine.extraArgs: conveyor serve would refuse ['--seed', '7', '--no-such-flag']: "
+            "unrecognized arguments: --no-such-flag"
+        )
         assert env.get("deployment", "flags") is None
         env.apply(isvc("flags", engine={"extraArgs": ["--seed", "7"]}))
         env.wait_ready("flags")
@@ -192,6 +195,9 @@ def test_pods_the_scheduler_cannot_place_are_named_in_ready(env: Env) -> None:
         )
         assert ready["message"].startswith("1/2 replicas ready; 1 pod(s) cannot be scheduled: 0/")
         assert "Insufficient nvidia.com/gpu" in ready["message"]
+        env.eventually(lambda: _events(env, "pending", "PodsUnschedulable"), "the PodsUnschedulable Warning")
+        (warning,) = _events(env, "pending", "PodsUnschedulable")
+        assert warning["type"] == "Warning" and "Insufficient nvidia.com/gpu" in warning["message"]
         env.apply(isvc("pending", replicas=1, resources={"gpusPerReplica": 8}))
         resource = env.wait_ready("pending")
         assert resource["status"]["url"] == f"http://pending.{env.namespace}.svc.cluster.local"
@@ -260,8 +266,11 @@ def test_env_env_from_and_the_model_cache_reach_the_pods_and_hand_added_env_is_r
             return names == ["HF_HOME", "HF_TOKEN", "LOG_FORMAT"]
 
         env.eventually(cleaned, "the hand-added variable removed")
+        time.sleep(3)  # the rollout it causes must not read as another update
         messages = [e["message"] for e in _events(env, "withenv", "Updated")]
-        assert any("removed env DEBUG_HACK: not in the spec" in m for m in messages), messages
+        assert messages == [
+            f"updated Deployment {env.namespace}/withenv (removed env DEBUG_HACK: not in the spec)"
+        ]
     finally:
         env.delete("withenv")
 
@@ -272,6 +281,7 @@ def test_env_env_from_and_the_model_cache_reach_the_pods_and_hand_added_env_is_r
         ({"env": [{"name": "HF_HOME", "value": "/tmp"}]}, "HF_HOME is set by the operator"),
         ({"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}, "not both"),
         ({"envFrom": [{"prefix": "X_"}]}, "envFrom takes exactly one of secretRef, configMapRef"),
+        ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "Duplicate value"),
         ({"model": {"cache": {"claimName": "w", "sizeLimit": "1Gi"}}}, "sizeLimit is for the emptyDir"),
     ],
 )
@@ -395,3 +405,28 @@ def test_writes_that_race_a_deletion_are_not_errors(env: Env) -> None:
     cluster.patch_status(env.namespace, "gone", {"replicas": 1})
     cluster.scale_deployment(env.namespace, "gone", 2)
     assert env.get("inferenceservice", "gone") is None and env.get("deployment", "gone") is None
+
+
+def test_a_hand_added_env_from_is_removed(env: Env) -> None:
+    env.apply(isvc("envfrom"))
+    try:
+        env.wait_ready("envfrom")
+        patch = [
+            {
+                "op": "add",
+                "path": "/spec/template/spec/containers/0/envFrom",
+                "value": [{"configMapRef": {"name": "cm"}}],
+            }
+        ]
+        env.kubectl("patch", "deployment", "envfrom", "--type=json", "-p", json.dumps(patch))
+        env.eventually(
+            lambda: (
+                "envFrom"
+                not in (env.get("deployment", "envfrom") or {})["spec"]["template"]["spec"]["containers"][0]
+            ),
+            "the hand-added envFrom removed",
+        )
+        messages = [e["message"] for e in _events(env, "envfrom", "Updated")]
+        assert f"updated Deployment {env.namespace}/envfrom (removed envFrom: not in the spec)" in messages
+    finally:
+        env.delete("envfrom")

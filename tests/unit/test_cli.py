@@ -37,3 +37,12 @@ def test_readme_documents_every_serve_flag(flag):
 def test_bad_choice_is_rejected():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--scheduling", "sometimes"])
+
+
+def test_check_serve_args_refuses_abbreviations_and_unknown_flags() -> None:
+    from conveyor.server.cli import check_serve_args
+
+    assert check_serve_args(["model", "--port", "9000", "--seed", "3"]) is None
+    assert check_serve_args(["model", "--po=1"]) == "unrecognized arguments: --po=1"
+    assert check_serve_args(["model", "--max-num-s", "3"]) == "unrecognized arguments: --max-num-s 3"
+    assert "invalid int value" in (check_serve_args(["model", "--seed", "x"]) or "")

@@ -135,7 +135,8 @@ def test_crd_cel_rules() -> None:
     }
     assert rules["spec"] == [
         {
-            "message": "set either replicas or autoscaling, not both",
+            "message": "set either replicas or autoscaling, not both (an autoscaled InferenceService is "
+            "not scaled by hand: change autoscaling.minReplicas and maxReplicas instead)",
             "rule": "!(has(self.replicas) && has(self.autoscaling))",
         }
     ]
