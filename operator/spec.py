@@ -285,13 +285,30 @@ class ResourcesSpec(_CamelModel):
         pattern=QUANTITY,
         max_length=64,
         description="CPU request and limit of the server container, a quantity (e.g. 8 or 8000m).",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel("quantity(self).isGreaterThan(quantity('0'))", "cpu must be more than 0")
+            ]
+        },
     )
     memory: str | None = Field(
         default=None,
         pattern=QUANTITY,
         max_length=64,
         description="Memory request and limit of the server container, a quantity (e.g. 64Gi).",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel("quantity(self).isGreaterThan(quantity('0'))", "memory must be more than 0")
+            ]
+        },
     )
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _positive(cls, value: str | None, info: Any) -> str | None:
+        if value is not None and float(re.match(r"[+]?([0-9.]*)", value).group(1) or 0) <= 0:
+            raise ValueError(f"{info.field_name} must be more than 0")
+        return value
 
 
 class EngineSpec(_CamelModel):

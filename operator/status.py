@@ -247,7 +247,12 @@ def build_status(
         # The autoscaler's own fields; cleared once the builtin autoscaler no longer runs.
         "lastScaleTime": previous.get("lastScaleTime") if builtin else None,
         "autoscaler": previous.get("autoscaler") if builtin else None,
-        "capacity": capacity_status(plan) if plan is not None else None,
+        # An unplannable edit leaves the running Deployment as it was: keep the plan it runs with.
+        "capacity": (
+            capacity_status(plan)
+            if plan is not None
+            else (previous.get("capacity") if deployment is not None else None)
+        ),
         "replicas": current,
         "readyReplicas": ready,
         # Only where a request can be answered (a replica Ready and no refused child).

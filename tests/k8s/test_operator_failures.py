@@ -52,6 +52,7 @@ def _events(env: Env, name: str, reason: str) -> list[dict[str, Any]]:
         ("a" * 64, {}, "metadata.name must be a DNS-1035 label"),
         ("mem", {"resources": {"memory": "64 GB"}}, "spec.resources.memory"),
         ("cpu", {"resources": {"cpu": "lots"}}, "spec.resources.cpu"),
+        ("zero", {"resources": {"memory": "0Gi"}}, "memory must be more than 0"),
         (
             "tol",
             {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]},

@@ -212,7 +212,10 @@ def test_an_impossible_edit_keeps_the_running_deployment(events: list[tuple[str,
     cluster.isvc["spec"] = copy.deepcopy(TOO_BIG)
     reconcile(cluster)
     assert cluster.objects[("Deployment", NAME)] == before
-    assert cluster.status_patches[-1]["capacity"] is None
+    # status.capacity still describes what runs (--max-num-seqs 112), beside CapacityPlanned=False.
+    assert cluster.status_patches[-1]["capacity"]["maxNumSeqs"] == 112
+    planned = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "CapacityPlanned")
+    assert (planned["status"], planned["reason"]) == ("False", "InsufficientGPUMemory")
 
 
 def test_unknown_model_is_a_status_error_not_a_guess(events: list[tuple[str, str, str]]) -> None:
