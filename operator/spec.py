@@ -80,6 +80,11 @@ def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, st
     return entry
 
 
+def _validations(*rules: dict[str, str]) -> ConfigDict:
+    """A model's config carrying CEL rules (`_cel` entries) for the CRD."""
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(rules)})
+
+
 class _CamelModel(BaseModel):
     """Base for resource fields: camelCase aliases, population by either name, unknown fields ignored
     (the API server already prunes them; an older operator must tolerate a newer CRD)."""
@@ -104,16 +109,12 @@ class FieldRef(_CamelModel):
 class EnvVarSource(_CamelModel):
     """Where an environment variable's value comes from (core/v1 EnvVarSource, one of)."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _cel(
-                    "[has(self.secretKeyRef), has(self.configMapKeyRef), has(self.fieldRef)]"
-                    ".filter(x, x).size() == 1",
-                    "valueFrom takes exactly one of secretKeyRef, configMapKeyRef, fieldRef",
-                )
-            ]
-        }
+    model_config = _validations(
+        _cel(
+            "[has(self.secretKeyRef), has(self.configMapKeyRef), has(self.fieldRef)]"
+            ".filter(x, x).size() == 1",
+            "valueFrom takes exactly one of secretKeyRef, configMapKeyRef, fieldRef",
+        )
     )
 
     secret_key_ref: KeyRef | None = None
@@ -134,16 +135,12 @@ OWNED_ENV = {"HF_HOME"}
 class EnvVar(_CamelModel):
     """An environment variable of the server container (core/v1 EnvVar), e.g. HF_TOKEN from a Secret."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _cel("!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both"),
-                _cel(
-                    "!(self.name in [" + ", ".join(f"'{n}'" for n in sorted(OWNED_ENV)) + "])",
-                    "HF_HOME is set by the operator (it is where the model cache is mounted)",
-                ),
-            ]
-        }
+    model_config = _validations(
+        _cel("!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both"),
+        _cel(
+            "!(self.name in [" + ", ".join(f"'{n}'" for n in sorted(OWNED_ENV)) + "])",
+            "HF_HOME is set by the operator (it is where the model cache is mounted)",
+        ),
     )
 
     name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
@@ -169,15 +166,11 @@ class LocalObjectRef(_CamelModel):
 class EnvFromSource(_CamelModel):
     """core/v1 EnvFromSource: all keys of one Secret or ConfigMap, optionally prefixed."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _cel(
-                    "has(self.secretRef) != has(self.configMapRef)",
-                    "envFrom takes exactly one of secretRef, configMapRef",
-                )
-            ]
-        }
+    model_config = _validations(
+        _cel(
+            "has(self.secretRef) != has(self.configMapRef)",
+            "envFrom takes exactly one of secretRef, configMapRef",
+        )
     )
 
     prefix: str | None = Field(default=None, max_length=256)
@@ -195,15 +188,11 @@ class ModelCacheSpec(_CamelModel):
     """Where pods keep downloaded weights (HF_HOME): by default an emptyDir per pod, so every new pod
     downloads again; a PersistentVolumeClaim (ReadWriteMany) shares one download between pods."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _cel(
-                    "!(has(self.claimName) && has(self.sizeLimit))",
-                    "sizeLimit is for the emptyDir; a claim has its own size",
-                )
-            ]
-        }
+    model_config = _validations(
+        _cel(
+            "!(has(self.claimName) && has(self.sizeLimit))",
+            "sizeLimit is for the emptyDir; a claim has its own size",
+        )
     )
 
     claim_name: str | None = Field(
@@ -256,15 +245,11 @@ class ModelSpec(_CamelModel):
 class ResourcesSpec(_CamelModel):
     """GPUs per replica and extra container resources."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _cel(
-                    "!has(self.tensorParallelSize) || self.gpusPerReplica % self.tensorParallelSize == 0",
-                    "gpusPerReplica must be divisible by tensorParallelSize",
-                )
-            ]
-        }
+    model_config = _validations(
+        _cel(
+            "!has(self.tensorParallelSize) || self.gpusPerReplica % self.tensorParallelSize == 0",
+            "gpusPerReplica must be divisible by tensorParallelSize",
+        )
     )
 
     gpu_type: str = Field(
@@ -430,16 +415,12 @@ def resolved_rules(rules: ScalingRules, default: ScalingRules) -> ScalingRules:
 class AutoscalingSpec(_CamelModel):
     """Replica bounds, the latency/queue targets the autoscaler keeps, and who does the scaling."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
-                _cel(
-                    "has(self.targetTTFTSeconds) || has(self.targetQueueDepth) || has(self.targetRequestsPerSecond)",
-                    "set at least one of targetTTFTSeconds, targetQueueDepth, targetRequestsPerSecond",
-                ),
-            ]
-        }
+    model_config = _validations(
+        _cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+        _cel(
+            "has(self.targetTTFTSeconds) || has(self.targetQueueDepth) || has(self.targetRequestsPerSecond)",
+            "set at least one of targetTTFTSeconds, targetQueueDepth, targetRequestsPerSecond",
+        ),
     )
 
     engine: Literal["builtin", "hpa", "keda"] = Field(
@@ -514,11 +495,7 @@ _TOLERATION_RULES = [
 class Toleration(_CamelModel):
     """A core/v1 Toleration, with the API server's rules for it."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [_cel(rule, msg) for rule, msg, _ in _TOLERATION_RULES]
-        }
-    )
+    model_config = _validations(*(_cel(rule, msg) for rule, msg, _ in _TOLERATION_RULES))
 
     key: str | None = Field(default=None, pattern=LABEL_KEY, max_length=317)
     operator: Literal["Exists", "Equal"] | None = None
@@ -537,16 +514,12 @@ class Toleration(_CamelModel):
 class InferenceServiceSpec(_CamelModel):
     """Desired state of an InferenceService."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _cel(
-                    "!(has(self.replicas) && has(self.autoscaling))",
-                    "set either replicas or autoscaling, not both (an autoscaled InferenceService is "
-                    "not scaled by hand: change autoscaling.minReplicas and maxReplicas instead)",
-                )
-            ]
-        }
+    model_config = _validations(
+        _cel(
+            "!(has(self.replicas) && has(self.autoscaling))",
+            "set either replicas or autoscaling, not both (an autoscaled InferenceService is "
+            "not scaled by hand: change autoscaling.minReplicas and maxReplicas instead)",
+        )
     )
 
     model: ModelSpec
