@@ -7,8 +7,10 @@ booleans as `--x/--no-x`), so they cannot drift from the engine's configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import sys
 import types
 import typing
@@ -34,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("conveyor.operator.plan:main", "print the KV-capacity plan (max_num_seqs) of a model on GPUs"),
     "crd": ("conveyor.operator.crd:main", "print or write the InferenceService CRD YAML"),
     "operator": ("conveyor.operator.run:main", "run the Kubernetes operator (kopf)"),
+    "router": (
+        "conveyor.server.router.app:main",
+        "route OpenAI requests over replicas by load and prefix-cache affinity",
+    ),
 }
 
 _SERVE_GROUPS: dict[str, type[BaseModel]] = {
@@ -70,6 +76,12 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ski
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
             continue
+        if get_origin(info.annotation) is list:  # repeatable: `--endpoint A B` or `--endpoint A --endpoint B`
+            (item,) = get_args(info.annotation)
+            group.add_argument(
+                flag, dest=name, type=item, nargs="+", action="extend", default=None, help=info.description
+            )
+            continue
         kind, choices = _flag_type(info.annotation)
         group.add_argument(flag, dest=name, type=kind, choices=choices, default=None, help=help_text)
 
@@ -77,6 +89,23 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ski
 def _collect(args: argparse.Namespace, model: type[BaseModel]) -> BaseModel:
     values = {k: getattr(args, k) for k in model.model_fields if getattr(args, k, None) is not None}
     return model(**values)
+
+
+def print_validation_error(prog: str, exc: ValidationError) -> None:
+    """One line per error, naming the flag (`conveyor serve: --max-num-seqs: ...`)."""
+    for error in exc.errors():
+        loc = [str(p) for p in error["loc"]]
+        where = ("--" + "-".join(loc).replace("_", "-") + ": ") if loc else ""
+        print(f"{prog}: {where}{error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+
+
+def collect_config(args: argparse.Namespace, model: type[BaseModel], prog: str) -> BaseModel | None:
+    """`model` from the parsed flags, or None after printing why the values are refused."""
+    try:
+        return _collect(args, model)
+    except ValidationError as exc:
+        print_validation_error(prog, exc)
+        return None
 
 
 class _ArgumentError(Exception):
@@ -137,9 +166,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         server_config = _collect(args, ServerConfig)
     except ValidationError as exc:
-        for error in exc.errors():
-            flag = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-")
-            print(f"conveyor serve: {flag}: {error['msg']}", file=sys.stderr)
+        print_validation_error("conveyor serve", exc)
         return 2
     try:
         engine = LLMEngine(config)
@@ -148,9 +175,22 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     metrics = EngineMetrics(engine.served_model_name)
     engine.observer = metrics
-    app = create_app(AsyncEngine(engine), metrics)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
-    return 0
+    async_engine = AsyncEngine(engine)
+    app = create_app(
+        async_engine, metrics, api_key=server_config.api_key or os.environ.get("CONVEYOR_API_KEY")
+    )
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # uvicorn's graceful shutdown waits for every open response; KV event streams never end.
+            async_engine.end_kv_event_streams()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
+    server = Server(config)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it shut down on
+        server.run()
+    return 0 if server.started else 3  # uvicorn.run's exit status when startup fails
 
 
 def main(argv: list[str] | None = None) -> int:

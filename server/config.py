@@ -86,6 +86,12 @@ class ServerConfig(_Config):
 
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="require `Authorization: Bearer KEY` (OpenAI clients send their api_key so); default: "
+        "$CONVEYOR_API_KEY, else no key; /health and /metrics stay open, as vLLM's",
+    )
 
 
 class EngineConfig(_Config):

@@ -8,6 +8,7 @@ trace or stops the engine loop. A client that disconnects aborts its requests.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -22,37 +23,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from conveyor.server.api.errors import APIError
 from conveyor.server.api.metrics import EngineMetrics
+from conveyor.server.api.prompts import PromptError, chat_prompt_ids, completion_prompt_ids
 from conveyor.server.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    NotImplementedFieldError,
     TokenizeRequest,
 )
 from conveyor.server.engine.async_engine import AsyncEngine
 from conveyor.server.engine.engine import InvalidRequestError, RequestOutput
+from conveyor.server.engine.kv_cache import KVCacheEvent, KVCacheSnapshot
 from conveyor.server.engine.request import Logprob, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        if self.status == 404:
-            kind = "not_found_error"
-        elif self.status < 500:
-            kind = "invalid_request_error"
-        else:
-            kind = "internal_server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
 
 
 @dataclass
@@ -84,14 +71,10 @@ class OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except Exception as exc:  # the template's own error (e.g. roles out of order)
-            raise APIError(400, f"messages: the chat template rejected them: {exc}", "messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
+        except PromptError as exc:
+            raise APIError(400, str(exc), exc.param) from None
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -143,14 +126,10 @@ class OpenAIServer:
     # -- completions ----------------------------------------------------------------------------------
 
     def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            return [self.tokenizer(prompt)["input_ids"]]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
+        try:
+            return completion_prompt_ids(self.tokenizer, req.prompt)
+        except PromptError as exc:
+            raise APIError(400, str(exc), exc.param) from None
 
     def _completion_logprobs(self, choice: _Choice) -> dict | None:
         if not choice.logprobs:
@@ -346,6 +325,21 @@ def _sse_response(
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def kv_event_body(item: KVCacheSnapshot | KVCacheEvent) -> dict:
+    """The JSON of one `/v1/kv_events` event: `snapshot` (block_size, num_blocks, hashes), `stored` or
+    `evicted` (hashes), `cleared`. A hash is the block's `hash_block` digest as 32 hex digits."""
+    if isinstance(item, KVCacheSnapshot):
+        return {
+            "type": "snapshot",
+            "block_size": item.block_size,
+            "num_blocks": item.num_blocks,
+            "hashes": [h.hex() for h in item.block_hashes],
+        }
+    if item.kind == "cleared":
+        return {"type": "cleared"}
+    return {"type": item.kind, "hashes": [h.hex() for h in item.block_hashes]}
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
@@ -354,21 +348,52 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def _client_path(body: object, loc: tuple) -> list[str]:
+    """The parts of a pydantic error location that index into what the client sent: the names of
+    union branches (`str`, `list[int]`) pydantic adds are dropped."""
+    path, node = [], body
+    for part in loc:
+        in_dict = isinstance(node, dict) and isinstance(part, str) and part in node
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if in_dict or in_list:
+            node = node[part]
+        elif not path and isinstance(part, str):
+            node = None  # a missing field: name it
+        else:
+            continue
+        path.append(str(part))
+    return path
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) for a request body pydantic refused: the field path as the client sent it and
+    the rule broken; for a value that matches none of a field's accepted forms, all of them."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
-    param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
-    return f"{where}: {first.get('msg')}", param
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, NotImplementedFieldError):
+        return f"{cause.name}: {cause}", cause.name
+    loc = tuple(p for p in first.get("loc", ()) if p != "body")
+    path = _client_path(exc.body, loc)
+    where = ".".join(path) or "body"
+    if len(path) < len(loc) and len(errors) > 1:  # a union: each branch reported its own complaint
+        forms = dict.fromkeys(e.get("msg", "") for e in errors)
+        return f"{where}: matches none of the accepted forms ({'; '.join(forms)})", path[0] if path else None
+    return f"{where}: {first.get('msg', '').removeprefix('Value error, ')}", path[0] if path else None
 
 
-def create_app(engine: AsyncEngine, metrics: EngineMetrics) -> FastAPI:
-    """The FastAPI app. Starts the engine loop on startup and stops it on shutdown."""
+# What a client without the key may still reach (probes and scrapers carry no OpenAI key).
+_OPEN_PATHS = {"/health", "/metrics"}
+
+
+def create_app(engine: AsyncEngine, metrics: EngineMetrics, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app. Starts the engine loop on startup and stops it on shutdown. With `api_key`,
+    every path but /health and /metrics needs `Authorization: Bearer <api_key>` (else 401, OpenAI's
+    `invalid_api_key`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -384,6 +409,17 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next):
+            if request.url.path not in _OPEN_PATHS:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return APIError(401, "Incorrect API key provided.", code="invalid_api_key").response()
+            return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -406,6 +442,23 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics) -> FastAPI:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kv_events")
+    async def kv_events() -> StreamingResponse:
+        """Server-sent events of the prefix cache's block hashes, for a router: a snapshot, then every
+        change. A subscriber that falls behind gets `cleared` and the stream ends: reconnect."""
+        if not engine.is_running:
+            raise APIError(503, "the engine loop is not running")
+
+        async def events() -> AsyncIterator[str]:
+            stream = engine.kv_events()
+            try:
+                async for item in stream:
+                    yield f"data: {json.dumps(kv_event_body(item))}\n\n"
+            finally:
+                await stream.aclose()  # a client gone unsubscribes now
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.get("/v1/models")
     async def models() -> dict:

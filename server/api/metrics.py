@@ -75,6 +75,22 @@ class EngineMetrics:
         self.request_success = Counter(
             "conveyor:request_success", "Finished requests.", ["model_name", "finished_reason"], registry=r
         )
+        # vLLM's cache_config_info: the KV pool's shape as labels (value 1), so a router reads a replica's
+        # block size and block count from /metrics. Set from the first step's engine (see on_step).
+        self.cache_config_info = Gauge(
+            "conveyor:cache_config_info",
+            "KV cache configuration (labels; value 1).",
+            ["model_name", "block_size", "num_gpu_blocks"],
+            registry=r,
+        )
+        # The same for the scheduler's limits: a router tells running from waiting requests with it.
+        self.scheduler_config_info = Gauge(
+            "conveyor:scheduler_config_info",
+            "Scheduler limits (labels; value 1).",
+            ["model_name", "max_num_seqs", "max_num_batched_tokens"],
+            registry=r,
+        )
+        self._cache_config_set = False
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         # Export every gauge and counter from the start, so a query sees 0 rather than no data.
         for series in (self.num_waiting, self.num_running, self.kv_usage, self.prompt_tokens):
@@ -94,6 +110,12 @@ class EngineMetrics:
     def on_step(self, engine, schedule) -> None:
         """Gauges and counters that follow the scheduler; called after every step, idle ones too."""
         name = self.model_name
+        if not self._cache_config_set:  # the pool is sized once, at engine start; the loop's first step
+            block_size, num_blocks = str(engine.config.cache.block_size), str(engine.num_kv_blocks)
+            self.cache_config_info.labels(name, block_size, num_blocks).set(1)
+            limits = str(engine.scheduler.max_num_seqs), str(engine.config.scheduler.max_num_batched_tokens)
+            self.scheduler_config_info.labels(name, *limits).set(1)
+            self._cache_config_set = True
         scheduler, kv = engine.scheduler, engine.kv_cache
         self.num_waiting.labels(name).set(len(scheduler.waiting))
         self.num_running.labels(name).set(len(scheduler.running))

@@ -1,25 +1,65 @@
 """OpenAI-compatible request bodies (and vLLM's extensions), validated by pydantic.
 
 A field outside its range fails validation, and the app answers 400 with a message naming the field.
-Unknown fields are ignored, as OpenAI-compatible servers commonly do.
+OpenAI fields this server does not implement yet (`response_format` other than text, `tools`, vLLM's
+`guided_*`, ...) are refused by name rather than silently ignored; other unknown fields are ignored, as
+OpenAI-compatible servers commonly do.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conveyor.server.engine.request import SamplingParams
 
 MAX_LOGPROBS = 20
 
 
-class StreamOptions(BaseModel):
+class NotImplementedFieldError(ValueError):
+    """A request field this server does not implement, set to a value that asks for it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} is not supported by this server yet")
+        self.name = name
+
+
+class _Body(BaseModel):
+    """Strict JSON types, as OpenAI's API: no `"7"` or `false` for a token id, no `1.0` for `n`, no NaN
+    or infinity for a float."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+# Fields of OpenAI's (or vLLM's) request bodies not implemented here, with the value that asks for
+# nothing (accepted); any other value is a 400 naming the field.
+NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+class _GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -43,6 +83,30 @@ class _GenerationRequest(BaseModel):
     priority: int = 0
     user: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_not_implemented(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            for name, accepted in NOT_IMPLEMENTED.items():
+                if name in body and body[name] not in accepted:
+                    raise NotImplementedFieldError(name)
+        return body
+
+    # OpenAI's shape: JSON object keys are token ids as strings, values in [-100, 100].
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer as a string)")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"the bias of token {key} must be a number, got {value!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {value!r}")
+        return bias
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -61,6 +125,7 @@ class _GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
         )
 
     @property
@@ -77,14 +142,35 @@ class CompletionRequest(_GenerationRequest):
     echo: Literal[False] = False
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
+    """One message. `tool` messages need the `tool_call_id` they answer, as OpenAI requires."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Checked before pydantic tries each branch of the union, whose messages would name its
+        # internals (`content.str: Input should be a valid string`) instead of the part's type.
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported by this model (text only)")
+        return content
+
+    @model_validator(mode="after")
+    def _tool_needs_its_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a `tool` message needs the `tool_call_id` it answers")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -102,7 +188,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """POST /tokenize: either `prompt` or chat `messages`."""
 
     model: str | None = None
@@ -112,6 +198,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

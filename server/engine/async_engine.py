@@ -4,6 +4,12 @@ The loop thread owns the engine: requests and aborts reach it through a lock-pro
 applied between steps, so an abort frees its blocks before the next step is scheduled and a queued
 request whose client left is never prefilled. torch releases the GIL inside its kernels, so the
 asyncio server keeps serving while a step runs.
+
+KV events (`kv_events()`): a subscriber first gets a snapshot of the cached block hashes taken by the
+loop between steps, then the block manager's events of every step after it, so snapshot plus events
+always equal the engine's prefix cache. Recording is on only while someone subscribes. Each subscriber
+has a bounded queue: one that falls `kv_events_queue_size` step batches behind is dropped, its unread
+events discarded, and its stream ends with a `cleared` event; it reconnects for a fresh snapshot.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from conveyor.server.engine.engine import LLMEngine, RequestOutput
+from conveyor.server.engine.kv_cache import KVCacheEvent, KVCacheSnapshot
 from conveyor.server.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,16 +48,41 @@ class _NewRequest:
     loop: asyncio.AbstractEventLoop
 
 
-class AsyncEngine:
-    """Thread-backed front of an LLMEngine. Use `start()` once, `generate()` per request, `stop()` at exit."""
+@dataclass(frozen=True)
+class _KVEventsEnd:
+    """Queued to a KV event subscriber: no more events (`overflowed`: because it fell behind)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    overflowed: bool
+
+
+@dataclass(eq=False)
+class _KVEventSubscriber:
+    """One `kv_events()` caller: its queue (snapshot, then one list of events per step; AsyncEngine
+    bounds it) and its event loop."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    ended: bool = False  # set on the subscriber's loop once the end is queued
+
+
+class AsyncEngine:
+    """Thread-backed front of an LLMEngine. Use `start()` once, `generate()` per request, `stop()` at exit.
+
+    kv_events_queue_size: step batches of KV events a subscriber may have unread before it is dropped.
+    """
+
+    def __init__(self, engine: LLMEngine, kv_events_queue_size: int = 1024) -> None:
         self.engine = engine
+        self.kv_events_queue_size = kv_events_queue_size
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._inbox: list[_NewRequest] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _NewRequest] = {}
+        self._kv_subscribes: list[_KVEventSubscriber] = []
+        self._kv_unsubscribes: list[_KVEventSubscriber] = []
+        self._kv_subscribers: list[_KVEventSubscriber] = []  # the loop thread's own
+        self._kv_streams_ended = False
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -69,6 +101,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def num_kv_event_subscribers(self) -> int:
+        """KV event subscribers the loop is sending to (a subscription counts once the loop took it)."""
+        return len(self._kv_subscribers)
 
     # -- asyncio side ---------------------------------------------------------------------------------
 
@@ -118,6 +155,68 @@ class AsyncEngine:
             self._aborts.append(request_id)
         self._wakeup.set()
 
+    def end_kv_event_streams(self) -> None:
+        """End every KV event stream, and any opened later, as if the engine stopped (thread-safe).
+
+        The server calls it when its graceful shutdown begins: the streams never end by themselves, and
+        the HTTP server waits for every open response before it exits.
+        """
+        with self._lock:
+            self._kv_streams_ended = True
+        self._wakeup.set()
+
+    async def kv_events(self) -> AsyncIterator[KVCacheSnapshot | KVCacheEvent]:
+        """Yield a snapshot of the prefix cache, then every change to it, as they happen.
+
+        The snapshot is taken between steps, and the events follow on from it exactly. The iterator
+        ends when the engine stops or `end_kv_event_streams()` is called, or, after a final `cleared`
+        event, when this subscriber has fallen `kv_events_queue_size` steps behind (subscribe again for
+        a new snapshot). Leaving it early unsubscribes. Raises EngineDeadError when the loop is not
+        running.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        sub = _KVEventSubscriber(asyncio.Queue(), asyncio.get_running_loop())
+        with self._lock:
+            self._kv_subscribes.append(sub)
+        self._wakeup.set()
+        try:
+            while True:
+                item = await sub.queue.get()
+                if isinstance(item, _KVEventsEnd):
+                    if item.overflowed:
+                        yield KVCacheEvent("cleared")
+                    return
+                if isinstance(item, KVCacheSnapshot):
+                    yield item
+                    continue
+                for event in item:
+                    yield event
+        finally:
+            with self._lock:
+                self._kv_unsubscribes.append(sub)
+            self._wakeup.set()
+
+    def _offer_kv(
+        self, sub: _KVEventSubscriber, item: KVCacheSnapshot | list[KVCacheEvent] | _KVEventsEnd
+    ) -> None:
+        """Queue an item for a subscriber; runs on the subscriber's event loop."""
+        if sub.ended:
+            return
+        if isinstance(item, _KVEventsEnd):
+            sub.ended = True
+        elif sub.queue.qsize() >= self.kv_events_queue_size:
+            # Too far behind: its unread events are useless without the ones it would miss. Drop them,
+            # end its stream with `cleared` (see kv_events) and send it nothing more.
+            sub.ended = True
+            while not sub.queue.empty():
+                sub.queue.get_nowait()
+            item = _KVEventsEnd(overflowed=True)
+            with self._lock:
+                self._kv_unsubscribes.append(sub)
+            self._wakeup.set()
+        sub.queue.put_nowait(item)
+
     # -- loop thread ----------------------------------------------------------------------------------
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -129,10 +228,54 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):  # the caller's event loop may be closed already
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
+    def _send_kv(
+        self, sub: _KVEventSubscriber, item: KVCacheSnapshot | list[KVCacheEvent] | _KVEventsEnd
+    ) -> None:
+        try:
+            sub.loop.call_soon_threadsafe(self._offer_kv, sub, item)
+        except RuntimeError:  # the subscriber's event loop is closed: nobody is reading
+            self._remove_kv_subscriber(sub)
+
+    def _remove_kv_subscriber(self, sub: _KVEventSubscriber) -> None:
+        if sub in self._kv_subscribers:
+            self._kv_subscribers.remove(sub)
+            if not self._kv_subscribers:
+                self.engine.kv_cache.set_event_recording(False)
+
+    def _publish_kv_events(self) -> None:
+        """Send the block manager's events since the last call to every subscriber, as one batch."""
+        if not self._kv_subscribers:
+            return
+        events = self.engine.kv_cache.take_events()
+        if events:
+            for sub in list(self._kv_subscribers):
+                self._send_kv(sub, events)
+
+    def _drain_kv_subscriptions(
+        self, subscribes: list[_KVEventSubscriber], unsubscribes: list[_KVEventSubscriber]
+    ) -> None:
+        kv = self.engine.kv_cache
+        if subscribes:
+            # Whatever is pending belongs to the streams of the existing subscribers, before the snapshot.
+            self._publish_kv_events()
+            kv.set_event_recording(True)
+            snapshot = kv.snapshot()
+            for sub in subscribes:
+                self._kv_subscribers.append(sub)
+                self._send_kv(sub, snapshot)
+        for sub in unsubscribes:
+            self._remove_kv_subscriber(sub)
+
     def _drain_inbox(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            subscribes, self._kv_subscribes = self._kv_subscribes, []
+            unsubscribes, self._kv_unsubscribes = self._kv_unsubscribes, []
+            streams_ended = self._kv_streams_ended
+        self._drain_kv_subscriptions(subscribes, unsubscribes)
+        if streams_ended:
+            self._end_kv_streams()
         for new in inbox:
             try:
                 self.engine.add_request(
@@ -152,6 +295,7 @@ class AsyncEngine:
             self._drain_inbox()
             if not engine.has_unfinished_requests():
                 engine.step()  # lets observers see the idle state (gauges back to 0)
+                self._publish_kv_events()
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
@@ -159,12 +303,25 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception as exc:
                 logger.exception("engine step failed; aborting the requests of that step")
+                self._publish_kv_events()  # blocks evicted before the failure stay evicted
                 error = StepFailedError(f"engine step failed: {exc}")
                 for request_id in [r for r in self._streams if r not in engine.scheduler.requests]:
                     self._deliver(request_id, error)
                 continue
+            self._publish_kv_events()
             for out in outputs:
                 self._deliver(out.request_id, out)
         # Stopping: wake every caller still waiting.
         for request_id in list(self._streams):
             self._deliver(request_id, EngineDeadError("the engine is shutting down"))
+        with self._lock:
+            waiting, self._kv_subscribes = self._kv_subscribes, []
+        self._kv_subscribers += waiting
+        self._end_kv_streams()
+
+    def _end_kv_streams(self) -> None:
+        for sub in list(self._kv_subscribers):
+            self._send_kv(sub, _KVEventsEnd(overflowed=False))
+        if self._kv_subscribers:
+            self._kv_subscribers = []
+            self.engine.kv_cache.set_event_recording(False)

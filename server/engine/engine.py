@@ -242,6 +242,12 @@ class LLMEngine:
                 f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
                 "min_tokens",
             )
+        bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids in [0, {self.vocab_size}); got {bad_bias[:5]}",
+                "logit_bias",
+            )
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop_token_ids out of vocabulary: {bad_stop[:5]}", "stop_token_ids")

@@ -4,6 +4,10 @@ Bookkeeping only; the tensors live in the model runner. Design as in vLLM (Paged
 SOSP 2023; automatic prefix caching): fixed-size blocks, a block table per request, reference counts
 so identical full prompt blocks are shared, a block identified by hash(parent block hash, its token
 ids), and free blocks reused least-recently-freed first so cached content survives as long as possible.
+
+While event recording is on, every change to the set of cached block hashes is recorded as a
+`KVCacheEvent` (vLLM's KV events: BlockStored / BlockRemoved / AllBlocksCleared), so a router can
+track which prefix blocks a replica holds; `snapshot()` gives the set itself to start from.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
 
 from conveyor.server.engine.request import Request
 
@@ -23,11 +29,35 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+@dataclass
+class KVCacheEvent:
+    """A change to the set of cached block hashes (the keys of `KVCacheManager.cached_blocks`).
+
+    kind: `stored` (the hashes became cached), `evicted` (they stopped being cached) or `cleared` (the
+    set is now empty; `block_hashes` is empty). block_hashes: 16-byte `hash_block` digests, in the
+    order the changes happened.
+    """
+
+    kind: Literal["stored", "evicted", "cleared"]
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class KVCacheSnapshot:
+    """The set of cached block hashes at one moment, with the pool's shape (tokens per block, blocks)."""
+
+    block_size: int
+    num_blocks: int
+    block_hashes: list[bytes]
+
+
 class KVCacheManager:
     """Allocates KV cache blocks to requests.
 
     num_blocks: blocks in the pool; block_size: tokens per block. A request's blocks are
-    `request.block_table`; only this class changes it.
+    `request.block_table`; only this class changes it. Pending KV events are written only by this
+    class and drained by one consumer (`take_events`); they are recorded only while
+    `set_event_recording(True)` is in force, so nobody pays for them when nobody listens.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -41,8 +71,16 @@ class KVCacheManager:
         # Blocks with ref count 0, oldest-freed first (the LRU eviction order).
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached_blocks: dict[bytes, int] = {}
-        self.prefix_cache_queries = 0  # tokens looked up at admission, as vLLM counts them
+        self.prefix_cache_queries = 0  # tokens looked up at first admission (not after preemption)
         self.prefix_cache_hits = 0  # of which found cached
+        self._record_events = False
+        self._events: list[KVCacheEvent] = []
+        self._num_pending_hashes = 0
+        # A consumer that stopped draining loses the events (they are replaced by a resync) rather than
+        # growing this list: one step changes at most 2 * num_blocks hashes, so a draining consumer
+        # never comes near the cap.
+        self.max_pending_hashes = max(4 * num_blocks, 1024)
+        self._events_overflowed = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,6 +90,54 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests (0-1); cached blocks nobody holds count as free."""
         return (self.num_blocks - len(self.free_blocks)) / self.num_blocks
+
+    # -- KV events --------------------------------------------------------------------------------------
+
+    def set_event_recording(self, enabled: bool) -> None:
+        """Start or stop recording KV events; stopping drops the pending ones."""
+        self._record_events = enabled
+        if not enabled:
+            self._events = []
+            self._num_pending_hashes = 0
+            self._events_overflowed = False
+
+    def snapshot(self) -> KVCacheSnapshot:
+        """The hashes cached now (every key of `cached_blocks`), oldest registered first."""
+        return KVCacheSnapshot(self.block_size, self.num_blocks, list(self.cached_blocks))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first, merged into one event per run of
+        the same kind. After an overflow (more than `max_pending_hashes` pending) they are replaced
+        by `cleared` then `stored` of every cached hash: the same set, reached without the history."""
+        if self._events_overflowed:
+            events = [KVCacheEvent("cleared")]
+            if self.cached_blocks:
+                events.append(KVCacheEvent("stored", list(self.cached_blocks)))
+        else:
+            events = self._events
+        self._events = []
+        self._num_pending_hashes = 0
+        self._events_overflowed = False
+        return events
+
+    def _record(self, kind: Literal["stored", "evicted", "cleared"], block_hash: bytes | None = None) -> None:
+        if self._events_overflowed:
+            return
+        if self._num_pending_hashes >= self.max_pending_hashes:
+            self._events_overflowed = True
+            self._events = []
+            return
+        if kind == "cleared":
+            # Everything before a clear is moot for the consumer.
+            self._events = [KVCacheEvent("cleared")]
+            self._num_pending_hashes = 0
+            return
+        if not self._events or self._events[-1].kind != kind:
+            self._events.append(KVCacheEvent(kind))
+        self._events[-1].block_hashes.append(block_hash)
+        self._num_pending_hashes += 1
+
+    # -- blocks -----------------------------------------------------------------------------------------
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend `request.block_hashes` to cover every full block within its first `num_tokens` tokens."""
@@ -92,7 +178,9 @@ class KVCacheManager:
         num_reused_free = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
         if num_new_blocks + num_reused_free > len(self.free_blocks):
             return False
-        if self.enable_prefix_caching and not request.block_table:
+        # Count a request's first admission only: after a recompute preemption the block table is empty
+        # again, and its own blocks, still cached, would count as hits (vLLM keeps those apart too).
+        if self.enable_prefix_caching and not request.block_table and request.num_preemptions == 0:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(computed_blocks) * self.block_size
         for block_id in computed_blocks:
@@ -107,6 +195,8 @@ class KVCacheManager:
                 # Evict: the block's old content is about to be overwritten.
                 if self.cached_blocks.get(old_hash) == block_id:
                     del self.cached_blocks[old_hash]
+                    if self._record_events:
+                        self._record("evicted", old_hash)
                 self.block_hash[block_id] = None
             self.ref_counts[block_id] = 1
             request.block_table.append(block_id)
@@ -124,7 +214,10 @@ class KVCacheManager:
                 continue
             block_hash = request.block_hashes[i]
             self.block_hash[block_id] = block_hash
-            self.cached_blocks.setdefault(block_hash, block_id)
+            if block_hash not in self.cached_blocks:
+                self.cached_blocks[block_hash] = block_id
+                if self._record_events:
+                    self._record("stored", block_hash)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Tail blocks go first into the free list, so they are evicted
@@ -139,3 +232,5 @@ class KVCacheManager:
         """Forget every cached block (blocks in use keep their content)."""
         self.cached_blocks.clear()
         self.block_hash = [None] * self.num_blocks
+        if self._record_events:
+            self._record("cleared")

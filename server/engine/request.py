@@ -28,6 +28,8 @@ class SamplingParams:
     """Per-request sampling parameters (OpenAI's plus vLLM's extensions, same meanings).
 
     temperature: 0 means greedy. top_p in (0, 1]; top_k <= 0 means off; min_p in [0, 1].
+    logit_bias: token id -> value added to its logit before everything else (OpenAI's logit_bias,
+    -100..100: -100 in effect bans a token, +100 in effect forces it).
     repetition_penalty (> 0, 1 = off) divides positive / multiplies negative logits of tokens seen in
     prompt or output (CTRL, Keskar et al. 2019); presence/frequency penalties in [-2, 2] subtract
     from logits of output tokens (OpenAI's formula). seed makes this request's samples reproducible
@@ -50,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:

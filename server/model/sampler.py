@@ -1,6 +1,6 @@
 """Turns the logits of one step into next tokens, one row per sampling request.
 
-Order of operations as in vLLM's sampler: penalties, then (for log-probabilities) the raw
+Order of operations as in vLLM's sampler: logit bias, penalties, then (for log-probabilities) the raw
 distribution, then temperature, min_p, top_k and top_p truncation, then sampling. Random rows sample by
 the exponential race `argmax(p / q)`, `q ~ Exp(1)`, which equals drawing from `p`; a request with a seed
 draws its `q` from its own generator, so its tokens do not depend on what else is in the batch.
@@ -23,6 +23,15 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[Logprob | None]
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place: each row's `logit_bias` added to its logits (ids validated in [0, vocab))."""
+    for row, request in enumerate(requests):
+        bias = request.sampling_params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            logits[row, ids] += torch.tensor(list(bias.values()), dtype=torch.float32)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -83,10 +92,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     """Sample one token per row.
 
     logits: `[num_rows, vocab_size]` (any float dtype; computed in float32); row i belongs to
-    requests[i]. Log-probabilities, when asked for, are of the model's distribution after penalties
-    and before temperature and truncation (vLLM's default "raw" log-probabilities).
+    requests[i]. Log-probabilities, when asked for, are of the model's distribution after logit bias
+    and penalties and before temperature and truncation (vLLM's default "raw" log-probabilities; with
+    a logit_bias they are of the biased distribution, as OpenAI's are).
     """
     logits = logits.to(torch.float32, copy=True)  # penalties and masks work in place
+    _apply_logit_bias(logits, requests)
     _apply_penalties(logits, requests)
     _mask_min_tokens(logits, requests)
     num_rows = logits.shape[0]

@@ -23,9 +23,10 @@ class ServeProcess:
     log: Path
 
 
-def start_serve(log: Path, *extra: str) -> ServeProcess:
-    """`conveyor serve` (the console script `make serve` runs) on a free port, once it answers /health."""
-    port = free_port()
+def spawn_serve(log: Path, *extra: str, port: int | None = None) -> ServeProcess:
+    """Start `conveyor serve` (the console script `make serve` runs) on `port` (default: a free one)
+    without waiting for it; `wait_ready` waits."""
+    port = port or free_port()
     exe = Path(sys.executable).with_name("conveyor")
     args = [
         str(exe),
@@ -41,12 +42,22 @@ def start_serve(log: Path, *extra: str) -> ServeProcess:
         proc = subprocess.Popen(
             [*args, *extra], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1"}
         )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc, 300, log)
-    except BaseException:
-        stop_process(proc)
-        raise
     return ServeProcess(f"http://127.0.0.1:{port}", port, proc, log)
+
+
+def wait_ready(server: ServeProcess, timeout: float = 300) -> ServeProcess:
+    """Wait until `server` answers /health; stop it and raise if it does not."""
+    try:
+        wait_http(f"{server.base_url}/health", server.proc, timeout, server.log)
+    except BaseException:
+        stop_process(server.proc)
+        raise
+    return server
+
+
+def start_serve(log: Path, *extra: str) -> ServeProcess:
+    """`conveyor serve` on a free port, once it answers /health."""
+    return wait_ready(spawn_serve(log, *extra))
 
 
 @pytest.fixture(scope="session")

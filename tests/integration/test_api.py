@@ -208,6 +208,16 @@ BAD_REQUESTS = [
     ({"prompt": "hello", "seed": 2**64}, 400, "seed"),
     ({"prompt": "hello", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "hello", "echo": True}, 400, "echo"),
+    ({"prompt": [5, False]}, 400, "prompt"),
+    ({"prompt": "hello", "n": 1.0}, 400, "n"),
+    ({"prompt": "hello", "max_tokens": "7"}, 400, "max_tokens"),
+    ({"prompt": "hello", "stop_token_ids": [True]}, 400, "stop_token_ids"),
+    ({"prompt": "hello", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"49152": 1}}, 400, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"5": True}}, 400, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"5": "1"}}, 400, "logit_bias"),
 ]
 
 
@@ -225,6 +235,21 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, body, stat
     assert httpx.get(server.base_url + "/health").status_code == 200
     ok = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_messages_name_the_field_as_sent_and_the_rule(server):
+    """Not pydantic's internals (`content.str`, union branches) and not a range rule for NaN."""
+    nan = httpx.post(
+        server.base_url + "/v1/completions",
+        content=b'{"prompt": "hi", "temperature": NaN}',
+        headers={"content-type": "application/json"},
+    ).json()["error"]
+    assert nan["message"] == "temperature: Input should be a finite number"
+    mixed = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1, True]}).json()["error"]
+    assert mixed["param"] == "prompt" and mixed["message"].startswith(
+        "prompt: matches none of the accepted forms"
+    )
+    assert ".str" not in mixed["message"] and "list[" not in mixed["message"]
 
 
 def test_prompt_plus_max_tokens_message_gives_both_lengths(server):
@@ -247,6 +272,63 @@ def test_malformed_json_and_chat_errors(server):
         openai.OpenAI(base_url=server.base_url + "/v1", api_key="x").chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1
         )
+
+
+CHAT_ERRORS = [
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}
+            ]
+        },
+        "messages",
+        "messages.0.content: content part type 'image_url' is not supported by this model (text only)",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]},
+        "messages",
+        "messages.1: a `tool` message needs the `tool_call_id` it answers",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        "response_format",
+        "response_format: response_format is not supported by this server yet",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "tools",
+        "tools: tools is not supported by this server yet",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a", "b"]},
+        "guided_choice",
+        "guided_choice: guided_choice is not supported by this server yet",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), CHAT_ERRORS)
+def test_what_is_not_supported_is_refused_by_name(server, body, param, message):
+    """Never silently ignored: an image part, a tool result without its call, structured output and
+    tools get a 400 naming the field; their 'ask for nothing' values are accepted."""
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert (error["param"], error["message"]) == (param, message)
+
+
+def test_the_defaults_of_unsupported_fields_are_accepted(client):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say hi"}]}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        tool_choice="none",
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_tokenize_and_detokenize(server):
@@ -294,3 +376,30 @@ def test_counters_are_exported_before_their_first_event(server):
         "conveyor:prompt_tokens_total",
     ):
         assert f'{name}{{model_name="{MODEL}"}}' in text
+
+
+def test_logit_bias_forces_and_bans_tokens_and_logprobs_see_it(server, client):
+    """+100 makes a token the greedy pick every step, and the returned log-probabilities are of the
+    biased distribution (OpenAI's); with -100 on every token but three, random sampling only ever
+    emits those three."""
+
+    def text_of(ids: list[int]) -> str:
+        return httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    forced_id = 1234
+    forced = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=0, logit_bias={str(forced_id): 100}
+    )
+    assert forced.choices[0].text == text_of([forced_id] * 6) != plain.choices[0].text
+    assert forced.choices[0].logprobs.tokens == [text_of([forced_id])] * 6
+    assert all(lp > -0.01 for lp in forced.choices[0].logprobs.token_logprobs)  # biased: probability ~1
+
+    allowed = [1234, 2345, 3456]
+    vocab = server.llm_engine.vocab_size
+    bias = {str(t): -100 for t in range(vocab) if t not in allowed}
+    sampled = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, seed=5, logprobs=0, logit_bias=bias
+    )
+    assert set(sampled.choices[0].logprobs.tokens) <= {text_of([t]) for t in allowed}

@@ -90,3 +90,118 @@ def test_no_prefix_caching_never_hits():
     assert admit(kv, a)
     assert kv.get_computed_blocks(make_request("b", list(range(9)))) == []
     assert kv.prefix_cache_queries == 0
+
+
+def hash_chain(tokens: list[int], block_size: int) -> list[bytes]:
+    from conveyor.server.engine.kv_cache import hash_block
+
+    hashes: list[bytes] = []
+    for i in range(len(tokens) // block_size):
+        hashes.append(
+            hash_block(hashes[-1] if hashes else None, tokens[i * block_size : (i + 1) * block_size])
+        )
+    return hashes
+
+
+def events(kv: KVCacheManager) -> list[tuple[str, list[bytes]]]:
+    return [(e.kind, e.block_hashes) for e in kv.take_events()]
+
+
+def test_nothing_is_recorded_without_a_subscriber():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    for i, rid in enumerate("abc"):  # each stores 2 blocks, and evicts the previous one's
+        r = make_request(rid, list(range(10 * i, 10 * i + 9)))
+        assert admit(kv, r)
+        kv.free(r)
+        if rid == "b":
+            kv.set_event_recording(True)
+    kv.set_event_recording(False)  # the last subscriber left: c's pending events go too
+    kv.reset_prefix_cache()
+    assert kv.take_events() == []
+
+
+def test_stored_events_are_the_hash_chain_of_newly_cached_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv.set_event_recording(True)
+    prompt = list(range(100, 110))  # 2 full blocks and 2 tokens
+    a = make_request("a", prompt)
+    assert admit(kv, a)
+    assert events(kv) == [("stored", hash_chain(prompt, 4))]
+    # The same prompt again shares the first block and computes the second into a new one: its hash
+    # is already cached, so nothing changes in the set and nothing is stored.
+    assert admit(kv, make_request("b", prompt))
+    assert kv.take_events() == []
+    # Output tokens filling a block store it too.
+    a.append_output_token(1)
+    a.append_output_token(2)
+    a.num_computed_tokens = a.num_tokens
+    assert kv.allocate_slots(a, 0, [])
+    kv.cache_full_blocks(a)
+    assert events(kv) == [("stored", [hash_chain(prompt + [1, 2], 4)[2]])]
+
+
+def test_evicted_events_name_the_hashes_whose_blocks_are_reused():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    kv.set_event_recording(True)
+    old = list(range(8))  # 2 full blocks
+    a = make_request("a", old + [99])
+    assert admit(kv, a)
+    kv.free(a)
+    kv.take_events()
+    # 12 new tokens need every block: the tail block (uncached) and both cached ones are reused.
+    new = list(range(50, 62))
+    assert admit(kv, make_request("b", new))
+    old_hashes, new_hashes = hash_chain(old, 4), hash_chain(new, 4)
+    got = events(kv)
+    assert got[0][0] == "evicted" and sorted(got[0][1]) == sorted(old_hashes)
+    assert got[1:] == [("stored", new_hashes[:3])]
+    assert kv.snapshot().block_hashes == new_hashes[:3]
+
+
+def test_reset_prefix_cache_records_cleared_and_empties_the_snapshot():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.set_event_recording(True)
+    assert admit(kv, make_request("a", list(range(9))))
+    kv.reset_prefix_cache()
+    assert events(kv) == [("cleared", [])]  # what came before a clear is moot
+    assert kv.snapshot().block_hashes == []
+
+
+def test_snapshot_lists_every_cached_hash_with_the_pool_shape():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a, b = list(range(12)), list(range(30, 39))
+    assert admit(kv, make_request("a", a)) and admit(kv, make_request("b", b))
+    snap = kv.snapshot()
+    assert (snap.block_size, snap.num_blocks) == (4, 16)
+    assert snap.block_hashes == hash_chain(a, 4) + hash_chain(b, 4)
+    assert [h.hex() for h in snap.block_hashes] == [h.hex() for h in kv.cached_blocks]
+    assert all(len(h.hex()) == 32 for h in snap.block_hashes)
+
+
+def test_pending_events_are_bounded_and_resync_when_nobody_drains():
+    kv = KVCacheManager(num_blocks=4, block_size=1)
+    kv.max_pending_hashes = 5
+    kv.set_event_recording(True)
+    for i in range(20):  # 20 blocks stored and most evicted again, never drained
+        r = make_request(f"r{i}", [i, 1000 + i])
+        assert admit(kv, r)
+        kv.free(r)
+    assert kv._num_pending_hashes <= 5
+    snapshot = kv.snapshot().block_hashes
+    assert events(kv) == [("cleared", []), ("stored", snapshot)]
+    assert kv.take_events() == []
+
+
+def test_prefix_cache_queries_count_only_the_first_admission():
+    # A request preempted (blocks freed, recomputed from 0) finds its own blocks still cached; that
+    # must not count as a hit, nor its prompt as a second query.
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    r = make_request("a", list(range(10)))
+    assert admit(kv, r)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10, 0)
+    kv.free(r)
+    r.num_computed_tokens = 0
+    r.num_preemptions += 1  # as Scheduler._preempt does
+    assert admit(kv, r)
+    assert len(r.block_table) == 3  # the cached blocks are still reused
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10, 0)

@@ -86,3 +86,19 @@ def test_logprobs_are_of_the_raw_distribution():
     expected = torch.log_softmax(logits, -1)[0]
     assert lp.token_id == 2 and math.isclose(lp.logprob, expected[2].item(), rel_tol=1e-6)
     assert [t for t, _ in lp.top] == [2, 1]
+
+
+def test_logit_bias_is_added_before_everything_and_logprobs_see_it():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
+    out = sample(
+        logits,
+        [req(temperature=0, logit_bias={2: 5.0}, logprobs=0), req(temperature=0, logit_bias={1: -100.0})],
+    )
+    assert out.token_ids == [2, 2]
+    biased = torch.tensor([0.0, 3.0, 6.0]).log_softmax(-1)
+    assert math.isclose(out.logprobs[0].logprob, float(biased[2]), rel_tol=1e-6)
+    # Penalties then apply to the biased logits (vLLM's order).
+    out = sample(
+        logits[:1], [req(temperature=0, prompt=(0,), output=[2], logit_bias={2: 2.5}, repetition_penalty=2.0)]
+    )
+    assert out.token_ids == [1]  # (1 + 2.5) / 2 = 1.75 < 3

@@ -84,6 +84,28 @@ def test_preemption_recomputes_the_newest_and_keeps_its_tokens():
     assert second.output_token_ids == [1] * 8
 
 
+def test_preemptions_do_not_count_as_prefix_cache_queries_or_hits():
+    # Regression: a preempted request re-prefilled from its own still-cached blocks was counted again
+    # (16 unique prompts, 12 preemptions read as a 43 % hit rate). Unique prompts share nothing: 0 hits.
+    s = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=16, caching=True, max_num_batched_tokens=256)
+    prompts = [[1000 * i + t for t in range(10)] for i in range(16)]
+    for i, prompt in enumerate(prompts):
+        s.add_request(
+            Request(
+                f"r{i}",
+                prompt,
+                SamplingParams(max_tokens=12, ignore_eos=True),
+                eos_token_id=0,
+                arrival_time=float(next(_clock)),
+            )
+        )
+    while s.num_unfinished:
+        step(s)
+    assert s.num_preemptions > 0
+    assert s.kv_cache.prefix_cache_queries == 16 * 10
+    assert s.kv_cache.prefix_cache_hits == 0
+
+
 def test_static_batching_admits_only_when_the_batch_is_done():
     s = make_scheduler(scheduling="static", max_num_batched_tokens=64)
     s.add_request(make_request("a", 2, 1))
