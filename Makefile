@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test bench bench-peers bench-autoscale lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
+.PHONY: serve test bench bench-peers bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ gpu-check:
 # writes benchmarks/results/<date>/autoscale*.{json,png}; the last line reads `ramp: attainment=...`.
 bench-autoscale: $(STAMP) cxx
 	$(PY) -m conveyor.benchmarks.autoscale $(BENCH_ARGS)
+
+# The router's policies on three replicas of this machine, same workloads (benchmarks/router.py);
+# writes benchmarks/results/<date>/router.{json,md}; the last line reads `router: ...` with the targets.
+bench-router: $(STAMP) cxx
+	$(PY) -m conveyor.benchmarks.router $(BENCH_ARGS)
 
 # Wheels for a GPU machine without network whose Python 3.12 has torch, triton and transformers.
 gpu-check-wheels: $(STAMP)
