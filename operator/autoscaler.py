@@ -17,8 +17,10 @@ sliding `periodSeconds`; `selectPolicy: Max` takes the policy that allows the mo
 Missing data is never read as zero: a TTFT that is unknown (no series, NaN) while requests arrive,
 or a queue depth without series, is "unknown". All targeted signals unknown -> hold the current
 count (reason `MetricsUnavailable`); some unknown -> only scale-up is allowed, on the known ones. No
-TTFT samples at all in the window (request rate 0) is known idleness, not an unknown. With no Ready
-pod, waiting requests wake one replica (`max(minReplicas, 1)`); pods still starting are waited for.
+TTFT samples at all in the window (request rate 0) is known idleness, not an unknown. With no replica
+at all, waiting requests wake one (`max(minReplicas, 1)`): those the router holds while no replica is
+Ready (`conveyor:router_requests_waiting`, reason `RouterRequestsWaiting`; without a replica the server
+has no queue to read), or a server queue; pods still starting are waited for.
 
 `current` is the Deployment's `spec.replicas`, `ready` its pods that are Ready now. Times are
 seconds on one clock (the operator uses Unix time, so the history survives a restart in status).
@@ -43,6 +45,8 @@ class Observation:
     queue_depth: sum of `conveyor:num_requests_waiting` (requests).
     running_requests, kv_cache_usage: `conveyor:num_requests_running` summed and mean
     `conveyor:kv_cache_usage_perc`, context for status only.
+    router_waiting: sum of `conveyor:router_requests_waiting` over the router pods (requests held
+    because no replica is Ready: demand while scaled to zero); None without a router or without data.
     """
 
     ttft_p90_seconds: float | None
@@ -50,6 +54,7 @@ class Observation:
     request_rate: float | None = None
     running_requests: float | None = None
     kv_cache_usage: float | None = None
+    router_waiting: float | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,8 @@ def _signals(
         rate = observation.request_rate
         rounded = round(rate, 2) if finite(rate) else rate
         per_replica("rate", rounded, spec.target_requests_per_second, "requests/s", ".2f")
+    if finite(observation.router_waiting):
+        parts.append(f"{observation.router_waiting:g} waiting in the router")
     return known, unknown, "; ".join(parts)
 
 
@@ -180,10 +187,14 @@ def recommend(
     known, unknown, _ = _signals(spec, ready, observation)
     if ready == 0:
         waiting = observation.queue_depth
+        held = observation.router_waiting
         if current == 0:
+            # Requests the router holds are demand a scaled-to-zero service cannot report itself.
+            if held is not None and held > 0:
+                return min(max(low, 1), high), None, "RouterRequestsWaiting", True
             if waiting is not None and waiting > 0:
                 return min(max(low, 1), high), None, "ScaleFromZero", True
-            return min(max(current, low), high), None, None, waiting is not None
+            return min(max(current, low), high), None, None, waiting is not None or held is not None
         # Pods exist but none is Ready yet: wait for them, whatever the metrics say.
         return min(max(current, low), high), None, "WaitingForReadyReplicas", not unknown or bool(known)
     if not known:
@@ -212,7 +223,7 @@ def _reason(
 ) -> str:
     """The CamelCase reason of a decision."""
     if replicas > current:
-        return "ScaleFromZero" if special == "ScaleFromZero" else "ScaleUp"
+        return special if special in ("ScaleFromZero", "RouterRequestsWaiting") else "ScaleUp"
     if replicas < current:
         return "ScaleDown"
     if special is not None:

@@ -18,6 +18,7 @@ from conveyor.operator.spec import GROUP, PLURAL, VERSION
 SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
 SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+INFERENCE_POOL = ("inference.networking.k8s.io/v1", "InferencePool")
 
 # The field manager of replicas written by the builtin autoscaler (scale subresource).
 AUTOSCALER_FIELD_MANAGER = "conveyor-autoscaler"
@@ -162,9 +163,12 @@ class Cluster:
                 obj["kind"], meta["name"], 404, f"{obj['apiVersion']} is not served: {exc}"
             ) from None
 
-    def pods(self, namespace: str, name: str) -> tuple[list[str], list[str]]:
-        """(Ready pods, all pods not being deleted) of one InferenceService, by name."""
-        pods = self.core.list_namespaced_pod(namespace, label_selector=selector_string(name)).items
+    def pods(self, namespace: str, name: str, selector: str | None = None) -> tuple[list[str], list[str]]:
+        """(Ready pods, all pods not being deleted) of one InferenceService's servers (or of the
+        label `selector`, e.g. its router's), by name."""
+        pods = self.core.list_namespaced_pod(
+            namespace, label_selector=selector or selector_string(name)
+        ).items
         live = [p for p in pods if p.metadata.deletion_timestamp is None]
         ready = [
             p.metadata.name

@@ -19,8 +19,10 @@ from conveyor.operator.spec import (
     DNS1035_LABEL,
     GROUP,
     KIND,
+    MAX_NAME_WITH_ROUTER,
     NAME_RULE_MESSAGE,
     PLURAL,
+    ROUTER_NAME_RULE_MESSAGE,
     SHORT_NAMES,
     SINGULAR,
     VERSION,
@@ -144,7 +146,13 @@ def build_crd() -> dict[str, Any]:
                                 {
                                     "rule": f"self.metadata.name.matches('{DNS1035_LABEL}')",
                                     "message": NAME_RULE_MESSAGE,
-                                }
+                                },
+                                {
+                                    "rule": "!has(self.spec.router) || !has(self.spec.router.enabled) "
+                                    "|| !self.spec.router.enabled "
+                                    f"|| size(self.metadata.name) <= {MAX_NAME_WITH_ROUTER}",
+                                    "message": ROUTER_NAME_RULE_MESSAGE,
+                                },
                             ],
                             "properties": {
                                 "apiVersion": {"type": "string"},

@@ -1,4 +1,5 @@
-"""kopf handlers: reconcile each InferenceService into its Deployment, Service, PDB and ServiceMonitor.
+"""kopf handlers: reconcile each InferenceService into its Deployment, Service, PDB, ServiceMonitor and
+(`spec.router`) its router's objects.
 
 One `reconcile` does everything and is safe to run any number of times: read the resource, plan its
 capacity, render the children (pure), server-side apply them (a no-op when nothing changed, and a
@@ -29,16 +30,25 @@ from pydantic import ValidationError
 
 from conveyor.operator import metrics
 from conveyor.operator.autoscaler import History, Observation, decide
-from conveyor.operator.cluster import HPA, SCALED_OBJECT, SERVICE_MONITOR, ApplyError, Cluster, configuration
+from conveyor.operator.cluster import (
+    HPA,
+    INFERENCE_POOL,
+    SCALED_OBJECT,
+    SERVICE_MONITOR,
+    ApplyError,
+    Cluster,
+    configuration,
+)
 from conveyor.operator.metrics import PrometheusSource, Reading
 from conveyor.operator.plan import PlanningError, SpecPlan, plan_for_spec
 from conveyor.operator.render import (
     FIELD_MANAGER,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
-    SERVER_CONTAINER,
     Owner,
     render_all,
+    router_name,
+    router_selector_string,
 )
 from conveyor.operator.spec import (
     DNS1035_LABEL,
@@ -69,8 +79,10 @@ FAILURE_REASONS = {
     "UnknownGPUTypeError": "UnknownGPUType",
     "MaxModelLenTooLongError": "MaxModelLenTooLong",
 }
-# Ready=False reasons for children the API server refuses, by HTTP status.
-APPLY_FAILURE_REASONS = {403: "ApplyForbidden"}
+# Ready=False reasons for children the API server refuses, by HTTP status (409: the name is taken by
+# an object another controller owns, e.g. the server Deployment of an InferenceService `x-router` and
+# the router Deployment of `x`).
+APPLY_FAILURE_REASONS = {403: "ApplyForbidden", 409: "NameConflict"}
 APPLY_FAILURE_REASON = "ApplyFailed"
 # kopf's retry delay after an apply failure: doubling from 10 s up to 5 minutes.
 RETRY_DELAYS = (10, 300)
@@ -87,7 +99,11 @@ _prometheus: PrometheusSource | None = None
 _namespaces: list[str] = []
 _service_monitor_labels: dict[str, str] = {}
 # CRDs of optional APIs: installing or removing one changes what every InferenceService renders.
-OPTIONAL_CRDS = {"servicemonitors.monitoring.coreos.com", "scaledobjects.keda.sh"}
+OPTIONAL_CRDS = {
+    "servicemonitors.monitoring.coreos.com",
+    "scaledobjects.keda.sh",
+    "inferencepools.inference.networking.k8s.io",
+}
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
@@ -146,32 +162,60 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | logging.Logger
 
 def _apply_children(
     cluster: Cluster, body: dict[str, Any], objects: list[dict[str, Any]], logger: Any
-) -> dict[str, Any] | None:
+) -> dict[tuple[str, str], dict[str, Any] | None]:
     """Apply the rendered children, all or none: each is first applied as a dry run (validated and
     defaulted by the API server) and nothing is written unless all pass; then only those whose
     configuration would change are applied, and only those get a "created"/"updated" Event (a
-    status write by a controller is not an update). Returns the Deployment as stored, if rendered.
-    Raises ApplyError naming the first object refused."""
-    checked = []
+    status write by a controller is not an update). Returns each object as stored, by (kind, name).
+    Raises ApplyError naming the first object refused, or (409) one whose name an object controlled
+    by someone else already has.
+
+    One exception to "none": a new Role is created during the checks. RBAC's escalation check of a
+    RoleBinding reads the Role it names, which a dry run of the Role does not store, so the
+    RoleBinding's dry run would be refused; a Role alone grants nothing until it is bound."""
+    uid = body["metadata"]["uid"]
+    found = []
     for obj in objects:
         meta = obj["metadata"]
         live = cluster.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        checked.append((obj, live, cluster.apply(obj, dry_run=True)))
-    deployment = None
+        other = next(
+            (
+                ref
+                for ref in (live or {}).get("metadata", {}).get("ownerReferences") or []
+                if ref.get("controller") and ref.get("uid") != uid
+            ),
+            None,
+        )
+        if other is not None:
+            raise ApplyError(
+                obj["kind"],
+                meta["name"],
+                409,
+                f"{meta['namespace']}/{meta['name']} already exists, controlled by {other.get('kind')} "
+                f"{other.get('name')}: rename one of them",
+            )
+        found.append((obj, live))
+    checked = []
+    for obj, live in found:
+        if obj["kind"] == "Role" and live is None:
+            stored = cluster.apply(obj)
+            _post_applied(body, logger, "created", obj)
+            checked.append((obj, stored, stored))
+        else:
+            checked.append((obj, live, cluster.apply(obj, dry_run=True)))
+    stored_objects: dict[tuple[str, str], dict[str, Any] | None] = {}
     for obj, live, would_be in checked:
         stored = live
         meta = obj["metadata"]
-        foreign_env, foreign_env_from = (
-            _foreign_env(obj, would_be) if obj["kind"] == "Deployment" else ([], False)
+        container, foreign_env, foreign_env_from = (
+            _foreign_env(obj, would_be) if obj["kind"] == "Deployment" else ("", [], False)
         )
         foreign = foreign_env or foreign_env_from
         if live is None or configuration(live) != configuration(would_be) or foreign:
             stored = cluster.apply(obj)
             note = ""
             if foreign:
-                cluster.remove_env(
-                    meta["namespace"], meta["name"], SERVER_CONTAINER, foreign_env, foreign_env_from
-                )
+                cluster.remove_env(meta["namespace"], meta["name"], container, foreign_env, foreign_env_from)
                 stored = cluster.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
                 removed = [f"env {', '.join(foreign_env)}"] if foreign_env else []
                 removed += ["envFrom"] if foreign_env_from else []
@@ -179,28 +223,36 @@ def _apply_children(
             # Only a write that changed something is an update (the live object may have moved on
             # between the read and the dry run, e.g. a controller's status write).
             if live is None or foreign or configuration(live) != configuration(stored or {}):
-                action = "created" if live is None else "updated"
-                message = f"{action} {obj['kind']} {meta['namespace']}/{meta['name']}{note}"
-                kopf.event(body, type="Normal", reason=action.capitalize(), message=message)
-                logger.info(message)
-        if obj["kind"] == "Deployment":
-            deployment = stored
-    return deployment
+                _post_applied(body, logger, "created" if live is None else "updated", obj, note)
+        stored_objects[(obj["kind"], meta["name"])] = stored
+    return stored_objects
 
 
-def _foreign_env(rendered: dict[str, Any], would_be: dict[str, Any]) -> tuple[list[str], bool]:
-    """(environment variables, whether an envFrom list) of the server container that someone else
-    added (`kubectl set env`, a patch): server-side apply keeps them, so drift correction removes
-    them explicitly. An envFrom the spec renders is ours and replaced whole by the apply."""
+def _post_applied(
+    body: dict[str, Any], logger: Any, action: str, obj: dict[str, Any], note: str = ""
+) -> None:
+    """The "created"/"updated" Event and log line of one applied child."""
+    meta = obj["metadata"]
+    message = f"{action} {obj['kind']} {meta['namespace']}/{meta['name']}{note}"
+    kopf.event(body, type="Normal", reason=action.capitalize(), message=message)
+    logger.info(message)
 
-    def server(obj: dict[str, Any]) -> dict[str, Any]:
+
+def _foreign_env(rendered: dict[str, Any], would_be: dict[str, Any]) -> tuple[str, list[str], bool]:
+    """(container, its environment variables, whether an envFrom list) that someone else added to
+    the rendered Deployment's container (the server's or the router's) with `kubectl set env` or a
+    patch: server-side apply keeps them, so drift correction removes them explicitly. An envFrom
+    the spec renders is ours and replaced whole by the apply."""
+    name = rendered["spec"]["template"]["spec"]["containers"][0]["name"]
+
+    def container(obj: dict[str, Any]) -> dict[str, Any]:
         containers = obj["spec"]["template"]["spec"].get("containers") or []
-        return next((c for c in containers if c["name"] == SERVER_CONTAINER), {})
+        return next((c for c in containers if c["name"] == name), {})
 
-    ours, theirs = server(rendered), server(would_be)
+    ours, theirs = container(rendered), container(would_be)
     names = {e["name"] for e in ours.get("env") or []}
     env = [e["name"] for e in theirs.get("env") or [] if e["name"] not in names]
-    return env, bool(theirs.get("envFrom")) and not ours.get("envFrom")
+    return name, env, bool(theirs.get("envFrom")) and not ours.get("envFrom")
 
 
 def _reconcile(
@@ -220,6 +272,7 @@ def _reconcile(
     failure: tuple[str, str] | None = None
     scaling_problem: tuple[str, str] | None = None
     apply_failure: tuple[str, str] | None = None
+    router: dict[str, Any] | None = None
     try:
         if not re.match(DNS1035_LABEL, name):  # created before the CRD said so
             failure = ("InvalidName", NAME_RULE_MESSAGE)
@@ -279,8 +332,11 @@ def _reconcile(
                     continue
                 apply_failure = (APPLY_FAILURE_REASONS.get(exc.status, APPLY_FAILURE_REASON), str(exc))
                 break
-            deployment = stored or deployment
+            deployment = stored.get(("Deployment", name)) or deployment
+            router = stored.get(("Deployment", router_name(name)))
             break
+    if spec is not None and spec.router_enabled and plan is None:
+        router = cluster.get("apps/v1", "Deployment", namespace, router_name(name))
 
     desired = (deployment or {}).get("spec", {}).get("replicas", 0)
     ready = ((deployment or {}).get("status") or {}).get("readyReplicas", 0)
@@ -298,6 +354,7 @@ def _reconcile(
         scaling_problem=scaling_problem,
         apply_failure=apply_failure,
         unschedulable=unschedulable,
+        router=router,
     )
     if _without_none(status) != _without_none({k: previous.get(k) for k in status}):
         cluster.patch_status(namespace, name, status)
@@ -326,8 +383,8 @@ def _children(
     logger: Any,
 ) -> list[dict[str, Any]]:
     """The children to apply, for the APIs served now; deletes an HPA or ScaledObject this resource
-    rendered before its autoscaling engine changed (never someone else's)."""
-    namespace, name = owner.namespace, owner.name
+    rendered before its autoscaling engine changed, and the router's objects once `router.enabled`
+    is false (never someone else's)."""
     objects = render_all(
         owner,
         spec,
@@ -337,19 +394,57 @@ def _children(
         scaled_object=has_keda,
         prometheus_url=_prometheus.url if _prometheus is not None else None,
         service_monitor_labels=_service_monitor_labels,
+        inference_pool=spec.router_enabled and cluster.has_api(*INFERENCE_POOL),
     )
     rendered = {(o["apiVersion"], o["kind"]) for o in objects}
     for api in (HPA, SCALED_OBJECT):
         if api in rendered or (api == SCALED_OBJECT and not cluster.has_api(*api)):
             continue
-        stale = cluster.get(*api, namespace, name)
-        owners = (stale or {}).get("metadata", {}).get("ownerReferences") or []
-        if any(ref.get("uid") == owner.uid for ref in owners):
-            cluster.delete(*api, namespace, name)
-            message = f"deleted {api[1]} {namespace}/{name}"
-            kopf.event(body, type="Normal", reason="Deleted", message=message)
-            logger.info(message)
+        _delete_owned(cluster, body, owner, api, owner.name, logger)
+    if not spec.router_enabled:
+        _delete_router(cluster, body, owner, logger)
     return objects
+
+
+def _owned(obj: dict[str, Any] | None, owner: Owner) -> bool:
+    return any(
+        ref.get("uid") == owner.uid for ref in (obj or {}).get("metadata", {}).get("ownerReferences") or []
+    )
+
+
+def _delete_owned(
+    cluster: Cluster, body: dict[str, Any], owner: Owner, api: tuple[str, str], name: str, logger: Any
+) -> None:
+    """Delete one object if this InferenceService owns it, with an Event."""
+    if _owned(cluster.get(*api, owner.namespace, name), owner):
+        cluster.delete(*api, owner.namespace, name)
+        message = f"deleted {api[1]} {owner.namespace}/{name}"
+        kopf.event(body, type="Normal", reason="Deleted", message=message)
+        logger.info(message)
+
+
+# The router's objects, in deletion order: the ServiceAccount, applied first, is deleted last, so
+# while it exists the others may, and once it is gone none is left (one read when the router is off).
+_ROUTER_SERVICE_ACCOUNT = ("v1", "ServiceAccount")
+_ROUTER_APIS = [
+    SERVICE_MONITOR,
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    _ROUTER_SERVICE_ACCOUNT,
+]
+
+
+def _delete_router(cluster: Cluster, body: dict[str, Any], owner: Owner, logger: Any) -> None:
+    """Delete what `router.enabled` rendered (and the InferencePool that came with it)."""
+    if not _owned(cluster.get(*_ROUTER_SERVICE_ACCOUNT, owner.namespace, router_name(owner.name)), owner):
+        return
+    if cluster.has_api(*INFERENCE_POOL):
+        _delete_owned(cluster, body, owner, INFERENCE_POOL, owner.name, logger)
+    for api in _ROUTER_APIS:
+        if api != SERVICE_MONITOR or cluster.has_api(*api):
+            _delete_owned(cluster, body, owner, api, router_name(owner.name), logger)
 
 
 @kopf.on.startup()
@@ -389,6 +484,12 @@ def on_inference_service(namespace: str, name: str, retry: int, logger: logging.
 
 
 @kopf.on.event("monitoring.coreos.com", "v1", "servicemonitors", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
+@kopf.on.event(
+    "inference.networking.k8s.io", "v1", "inferencepools", labels={LABEL_MANAGED_BY: FIELD_MANAGER}
+)
+@kopf.on.event("v1", "serviceaccounts", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
+@kopf.on.event("rbac.authorization.k8s.io", "v1", "roles", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
+@kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("v1", "services", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
@@ -424,9 +525,9 @@ def on_pod(
     "apiextensions.k8s.io", "v1", "customresourcedefinitions", when=lambda name, **_: name in OPTIONAL_CRDS
 )
 def on_optional_crd(name: str, type: str | None, logger: logging.Logger, **_: Any) -> None:
-    """A ServiceMonitor or ScaledObject CRD was installed, became Established or was removed: read
-    discovery again and reconcile every InferenceService in scope, so idle ones get (or stop
-    rendering) the object at once rather than at their next change."""
+    """A ServiceMonitor, ScaledObject or InferencePool CRD was installed, became Established or was
+    removed: read discovery again and reconcile every InferenceService in scope, so idle ones get (or
+    stop rendering) the object at once rather than at their next change."""
     if type is None:
         return  # the listing at start-up: the resume handlers reconcile everything anyway
     cluster = _get_cluster()
@@ -505,11 +606,16 @@ def autoscale(
         return  # reconcile creates it first
     current = int(deployment.get("spec", {}).get("replicas", 1))
     ready_pods, live_pods = cluster.pods(namespace, name)
+    router_pods = None
+    if spec.router_enabled:
+        # Requests the router holds are the only demand a service scaled to zero shows.
+        ready_routers, live_routers = cluster.pods(namespace, name, router_selector_string(name))
+        router_pods = ready_routers or live_routers
     window = auto.ttft_window_seconds
     reading = (
         _reading_without_source()
         if source is None
-        else source.observe(namespace, ready_pods or live_pods, window)
+        else source.observe(namespace, ready_pods or live_pods, window, router_pods)
     )
     previous = body.get("status") or {}
     history: History = memo.get(HISTORY_MEMO_KEY) or history_from_status(previous)

@@ -11,6 +11,12 @@ ServiceMonitor (or Kubernetes pod discovery) attaches — and restricted to the 
     running      sum by (pod) (conveyor:num_requests_running{S})
     KV usage     avg(conveyor:kv_cache_usage_perc{S})
 
+and, with the router enabled, over the router pods R (by name, as the server pods are; only router
+pods export the series, and `<name>-router-.+` would also match the server pods of an InferenceService
+named `<name>-router`):
+
+    router waiting  sum(conveyor:router_requests_waiting{R})
+
 A timeout, an HTTP or PromQL error, an empty vector, NaN or Inf are "unknown" (None), never 0. When
 fewer Ready pods report a queue (or running requests) than are Ready (a pod not scraped yet), the sum
 is the mean of those that do times the Ready count.
@@ -32,6 +38,7 @@ TTFT = "conveyor:time_to_first_token_seconds"
 WAITING = "conveyor:num_requests_waiting"
 RUNNING = "conveyor:num_requests_running"
 KV_USAGE = "conveyor:kv_cache_usage_perc"
+ROUTER_WAITING = "conveyor:router_requests_waiting"
 
 DECISIONS = Counter(
     "conveyor_operator_autoscaler_decisions",
@@ -74,6 +81,11 @@ def queries(namespace: str, pods: list[str], window_seconds: int) -> dict[str, s
     }
 
 
+def router_query(namespace: str, router_pods: list[str]) -> str:
+    """PromQL of the requests the router pods hold while no replica is Ready."""
+    return f"sum({ROUTER_WAITING}{{{selector(namespace, router_pods)}}})"
+
+
 class QueryError(Exception):
     """A Prometheus query that failed (connection, HTTP status, PromQL error)."""
 
@@ -114,15 +126,23 @@ class PrometheusSource:
             return [({}, float(data["result"][1]))]
         return [(item.get("metric", {}), float(item["value"][1])) for item in data.get("result", [])]
 
-    def observe(self, namespace: str, pods: list[str], window_seconds: int) -> Reading:
-        """The Observation of `pods` (Ready now); every signal that cannot be read is None."""
-        if not pods:
-            return Reading(Observation(None, None), {"pods": "no Ready pods"})
+    def observe(
+        self, namespace: str, pods: list[str], window_seconds: int, router_pods: list[str] | None = None
+    ) -> Reading:
+        """The Observation of `pods` (Ready now) and, unless `router_pods` is None (no router), of the
+        router pods; every signal that cannot be read is None."""
         values: dict[str, float | None] = {}
         errors: dict[str, str] = {}
-        for name, promql in queries(namespace, pods, window_seconds).items():
+        promql = queries(namespace, pods, window_seconds) if pods else {}
+        if not pods:
+            errors["pods"] = "no Ready pods"
+        if router_pods is not None and not router_pods:
+            errors["router_waiting"] = "no router pods"
+        elif router_pods is not None:
+            promql["router_waiting"] = router_query(namespace, router_pods)
+        for name, query in promql.items():
             try:
-                vector = self.query(promql)
+                vector = self.query(query)
             except QueryError as exc:
                 values[name], errors[name] = None, str(exc)
                 continue
@@ -144,6 +164,7 @@ class PrometheusSource:
             request_rate=values.get("request_rate"),
             running_requests=values.get("running"),
             kv_cache_usage=values.get("kv_usage"),
+            router_waiting=values.get("router_waiting"),
         )
         return Reading(observation, errors)
 

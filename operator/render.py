@@ -1,10 +1,19 @@
 """InferenceService spec + capacity plan -> the Kubernetes objects that serve it.
 
 Pure functions returning plain dicts ready for server-side apply: a Deployment of `conveyor serve`, a
-Service, a PodDisruptionBudget and (when the Prometheus operator's API exists) a ServiceMonitor. Each
-carries an owner reference to the InferenceService so that deleting it garbage-collects them. Nothing
-here calls the API; the same inputs always give the same objects, which is what makes reconciling
-idempotent.
+Service, a PodDisruptionBudget and (when the Prometheus operator's API exists) a ServiceMonitor; with
+`spec.router` enabled also a `conveyor router` Deployment and Service with the ServiceAccount, Role and
+RoleBinding it reads EndpointSlices with, its ServiceMonitor, and (when the Gateway API Inference
+Extension's API exists) an InferencePool of the server pods. Each carries an owner reference to the
+InferenceService so that deleting it garbage-collects them. Nothing here calls the API; the same inputs
+always give the same objects, which is what makes reconciling idempotent.
+
+Pod selection. Server pods carry `serving.conveyor.dev/inferenceservice: NAME`, which the server
+Deployment, Service, PodDisruptionBudget, `status.selector` and the InferencePool select on (a
+Deployment's selector is immutable, so it stays what existing Deployments were created with). Router
+pods never carry that key: they carry `serving.conveyor.dev/router: NAME`, which the router Deployment
+and Service select on, and `app.kubernetes.io/component: router` (server pods: `inference-server`).
+Each selector needs a key the other kind of pod lacks, so neither can match the other's pods.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from typing import Any
 
 from conveyor.operator.catalog import hub_id
 from conveyor.operator.plan import SpecPlan
-from conveyor.operator.spec import GROUP, KIND, VERSION, InferenceServiceSpec
+from conveyor.operator.spec import GROUP, KIND, ROUTER_SUFFIX, VERSION, InferenceServiceSpec
 
 SERVER_PORT = 8000
 SERVICE_PORT = 80
@@ -22,6 +31,7 @@ PORT_NAME = "http"
 FIELD_MANAGER = "conveyor-operator"
 
 LABEL_INFERENCE_SERVICE = f"{GROUP}/inferenceservice"
+LABEL_ROUTER = f"{GROUP}/router"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -38,6 +48,16 @@ STARTUP_FAILURE_THRESHOLD = 180
 MODELS_MOUNT = "/models"
 HF_HOME = "/models/hf-cache"
 SERVER_CONTAINER = "server"
+ROUTER_CONTAINER = "router"
+COMPONENT_SERVER = "inference-server"
+COMPONENT_ROUTER = "router"
+# The router is CPU-only: a tokenizer and an HTTP proxy. Requests fit a small node; memory is limited
+# (a leak must not take the node), CPU is not (throttling would add latency to every request).
+ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
+# The Gateway API Inference Extension's endpoint picker (EPP): its Service name suffix and ext-proc
+# port in the extension's own Helm chart (config/charts/inferencepool: `<pool>-epp`, 9002).
+ENDPOINT_PICKER_SUFFIX = "-epp"
+ENDPOINT_PICKER_PORT = 9002
 
 
 @dataclass(frozen=True)
@@ -60,13 +80,40 @@ def selector_string(name: str) -> str:
 
 
 def common_labels(name: str) -> dict[str, str]:
-    """Labels on every object rendered for the InferenceService `name`."""
+    """Labels on the server's objects and pods of the InferenceService `name`."""
     return {
         LABEL_NAME: "conveyor-server",
         LABEL_INSTANCE: name,
-        LABEL_COMPONENT: "inference-server",
+        LABEL_COMPONENT: COMPONENT_SERVER,
         LABEL_MANAGED_BY: FIELD_MANAGER,
         **selector_labels(name),
+    }
+
+
+def router_name(name: str) -> str:
+    """Name of the router's Deployment, Service, ServiceAccount, Role and RoleBinding."""
+    return f"{name}{ROUTER_SUFFIX}"
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    """Labels that select the router pods of one InferenceService (the router Deployment's selector)."""
+    return {LABEL_ROUTER: name}
+
+
+def router_selector_string(name: str) -> str:
+    """`router_selector_labels` as a label-selector string."""
+    return ",".join(f"{key}={value}" for key, value in router_selector_labels(name).items())
+
+
+def router_labels(name: str) -> dict[str, str]:
+    """Labels on the router's objects and pods: the operator's instance labels, component `router`,
+    and no `serving.conveyor.dev/inferenceservice` (that key selects server pods)."""
+    return {
+        LABEL_NAME: "conveyor-router",
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: COMPONENT_ROUTER,
+        LABEL_MANAGED_BY: FIELD_MANAGER,
+        **router_selector_labels(name),
     }
 
 
@@ -87,6 +134,15 @@ def _metadata(owner: Owner) -> dict[str, Any]:
         "name": owner.name,
         "namespace": owner.namespace,
         "labels": common_labels(owner.name),
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
+def _router_metadata(owner: Owner) -> dict[str, Any]:
+    return {
+        "name": router_name(owner.name),
+        "namespace": owner.namespace,
+        "labels": router_labels(owner.name),
         "ownerReferences": [owner_reference(owner)],
     }
 
@@ -154,6 +210,38 @@ def _probe(path: str, period: int, failure_threshold: int, timeout: int = 5) -> 
     }
 
 
+def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for HF_HOME (`model.cache`) and, for `pvc://`, the claim holding the weights."""
+    _, model_volume = model_source(spec)
+    cache = spec.model.cache
+    if cache.claim_name is not None:
+        hf_cache: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+    else:
+        hf_cache = {"emptyDir": {"sizeLimit": cache.size_limit} if cache.size_limit else {}}
+    volumes: list[dict[str, Any]] = [{"name": "hf-cache", **hf_cache}]
+    mounts: list[dict[str, Any]] = [{"name": "hf-cache", "mountPath": HF_HOME}]
+    if model_volume is not None:
+        claim = model_volume["persistentVolumeClaim"]["claimName"]
+        volumes.append(model_volume)
+        mounts.append({"name": "model", "mountPath": f"{MODELS_MOUNT}/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
+def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    return [
+        {"name": "HF_HOME", "value": HF_HOME},
+        *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.env),
+    ]
+
+
+def _scrape_annotations() -> dict[str, str]:
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(SERVER_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+
+
 def render_deployment(
     owner: Owner, spec: InferenceServiceSpec, plan: SpecPlan, replicas: int | None
 ) -> dict[str, Any]:
@@ -172,26 +260,11 @@ def render_deployment(
             resources["limits"][key] = value
             resources["requests"][key] = value
 
-    _, model_volume = model_source(spec)
     # Tensor-parallel workers exchange tensors through /dev/shm (NCCL); the container default of
     # 64 MiB is far too small, so mount a memory-backed emptyDir there.
-    cache = spec.model.cache
-    if cache.claim_name is not None:
-        hf_cache: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache.claim_name}}
-    else:
-        hf_cache = {"emptyDir": {"sizeLimit": cache.size_limit} if cache.size_limit else {}}
-    volumes: list[dict[str, Any]] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        {"name": "hf-cache", **hf_cache},
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "hf-cache", "mountPath": HF_HOME},
-    ]
-    if model_volume is not None:
-        claim = model_volume["persistentVolumeClaim"]["claimName"]
-        volumes.append(model_volume)
-        mounts.append({"name": "model", "mountPath": f"{MODELS_MOUNT}/{claim}", "readOnly": True})
+    model_volumes, model_mounts = _model_volumes(spec)
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *model_volumes]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts]
 
     node_selector = {GPU_PRODUCT_LABEL: plan.gpu_product_label} if plan.gpu_product_label else {}
     node_selector.update(spec.node_selector)
@@ -206,10 +279,7 @@ def render_deployment(
         "image": spec.image,
         "command": ["conveyor"],
         "args": server_args(spec, plan),
-        "env": [
-            {"name": "HF_HOME", "value": HF_HOME},
-            *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.env),
-        ],
+        "env": _env(spec),
         "ports": [{"name": PORT_NAME, "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "resources": resources,
         "startupProbe": _probe("/health", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD),
@@ -245,11 +315,7 @@ def render_deployment(
             "template": {
                 "metadata": {
                     "labels": common_labels(owner.name),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(SERVER_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
+                    "annotations": _scrape_annotations(),
                 },
                 "spec": pod_spec,
             },
@@ -261,7 +327,8 @@ def render_deployment(
 
 
 def render_service(owner: Owner) -> dict[str, Any]:
-    """ClusterIP Service on port 80 in front of the server pods."""
+    """ClusterIP Service on port 80 in front of the server pods. Its port is named `http`: the
+    router finds the replicas as the `http` port of this Service's EndpointSlices."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -288,17 +355,232 @@ def render_service_monitor(owner: Owner, extra_labels: dict[str, str] | None = N
     """A Prometheus-operator ServiceMonitor scraping the server's /metrics through the Service;
     `extra_labels` (operator setting) are what a Prometheus' serviceMonitorSelector looks for, such
     as kube-prometheus-stack's `release: NAME`."""
-    metadata = _metadata(owner)
+    return _service_monitor(_metadata(owner), selector_labels(owner.name), extra_labels)
+
+
+def _service_monitor(
+    metadata: dict[str, Any], selector: dict[str, str], extra_labels: dict[str, str] | None
+) -> dict[str, Any]:
+    """A ServiceMonitor scraping `/metrics` on the `http` port of the Services `selector` matches."""
     metadata["labels"] = {**(extra_labels or {}), **metadata["labels"]}
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
         "metadata": metadata,
         "spec": {
-            "selector": {"matchLabels": selector_labels(owner.name)},
+            "selector": {"matchLabels": selector},
             "endpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": "15s"}],
         },
     }
+
+
+def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
+    """Arguments of `conveyor router`: replicas are the ready endpoints of the server Service's
+    EndpointSlices (port `http`), the tokenizer is the model source the server loads, the KV block
+    size is the server's, and its metrics' `model_name` is the server's served model name."""
+    router = spec.router
+    assert router is not None
+    model, _ = model_source(spec)
+    weights = router.weights
+    return [
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(SERVER_PORT),
+        "--service",
+        f"{owner.namespace}/{owner.name}",
+        "--service-port-name",
+        PORT_NAME,
+        "--policy",
+        router.policy,
+        "--weight-queue",
+        str(weights.queue),
+        "--weight-kv",
+        str(weights.kv),
+        "--weight-prefix",
+        str(weights.prefix),
+        "--tokenizer",
+        model,
+        "--served-model-name",
+        spec.model.name,
+        "--block-size",
+        str(spec.engine.block_size),
+        "--queue-timeout",
+        str(router.queue_timeout_seconds),
+    ]
+
+
+def render_router_service_account(owner: Owner) -> dict[str, Any]:
+    """The router pods' identity: the Role below lets it read EndpointSlices, nothing else."""
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _router_metadata(owner)}
+
+
+# What the router reads from the API: the EndpointSlices of the server Service (in its namespace).
+ROUTER_RULES = [
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+]
+
+
+def render_router_role(owner: Owner) -> dict[str, Any]:
+    """Read EndpointSlices in the namespace. The operator must hold these permissions itself (the API
+    server refuses a Role granting more than its creator has), so the chart's ClusterRole has them."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _router_metadata(owner),
+        "rules": [dict(rule) for rule in ROUTER_RULES],
+    }
+
+
+def render_router_role_binding(owner: Owner) -> dict[str, Any]:
+    """The router's Role, bound to its ServiceAccount."""
+    name = router_name(owner.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _router_metadata(owner),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+
+
+def render_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The Deployment of `router.replicas` `conveyor router` pods: the server image, no GPU, a
+    modest CPU/memory request, no GPU node selector or tolerations (it runs on any node).
+
+    It gets the server's environment (HF_TOKEN for a gated tokenizer) and HF_HOME cache, and for a
+    `pvc://` model the claim read-only, since `--tokenizer` is the same model source the server
+    loads. Its /health answers while it runs, replicas or not, so a router waiting for a replica
+    to wake from zero is Ready and keeps receiving requests.
+    """
+    router = spec.router
+    assert router is not None
+    volumes, mounts = _model_volumes(spec)
+    container: dict[str, Any] = {
+        "name": ROUTER_CONTAINER,
+        "image": spec.image,
+        "command": ["conveyor"],
+        "args": router_args(owner, spec),
+        "env": _env(spec),
+        "ports": [{"name": PORT_NAME, "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "resources": {key: dict(value) for key, value in ROUTER_RESOURCES.items()},
+        # Loading the tokenizer (a download for a hub id) may take a few minutes.
+        "startupProbe": _probe("/health", 5, 60),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6),
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if spec.env_from:
+        container["envFrom"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env_from]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _router_metadata(owner),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": router_selector_labels(owner.name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {"labels": router_labels(owner.name), "annotations": _scrape_annotations()},
+                "spec": {
+                    "serviceAccountName": router_name(owner.name),
+                    "automountServiceAccountToken": True,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                    "volumes": volumes,
+                    # Streams in flight finish after the endpoint is removed, as on the server.
+                    "terminationGracePeriodSeconds": 60,
+                },
+            },
+        },
+    }
+
+
+def render_router_service(owner: Owner) -> dict[str, Any]:
+    """ClusterIP Service `<name>-router` on port 80 (named `http`) in front of the router pods: the
+    InferenceService's URL when the router is enabled."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _router_metadata(owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": router_selector_labels(owner.name),
+            "ports": [{"name": PORT_NAME, "port": SERVICE_PORT, "targetPort": PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def render_router_service_monitor(owner: Owner, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """A ServiceMonitor scraping the router pods' /metrics (`conveyor:router_requests_waiting`, which
+    the builtin autoscaler reads to wake replicas from zero) through the router Service; its targets
+    get `namespace` and `pod`, as the server's do."""
+    return _service_monitor(_router_metadata(owner), router_selector_labels(owner.name), extra_labels)
+
+
+def endpoint_picker_name(name: str) -> str:
+    """The Service the InferencePool `name` names as its endpoint picker (not rendered here)."""
+    return f"{name}{ENDPOINT_PICKER_SUFFIX}"
+
+
+def render_inference_pool(owner: Owner) -> dict[str, Any]:
+    """An InferencePool (`inference.networking.k8s.io/v1`, Gateway API Inference Extension) of the
+    server pods on the server port, so an inference-aware Gateway can route to the same replicas.
+
+    `spec.endpointPickerRef` is required. It does NOT name conveyor's router: a Gateway calls the
+    endpoint picker over Envoy's ext-proc gRPC protocol, and `conveyor router` is an HTTP proxy, not
+    an ext-proc server; naming it would make every Gateway request fail its picker call. It names
+    `<name>-epp` on port 9002, the Service name and port the extension's own chart gives an endpoint
+    picker deployed for a pool `<name>` (deploy one there, e.g. the extension's EPP, which reads the
+    vLLM-named series conveyor exports). The operator does not create that Service. `failureMode:
+    FailOpen` (the extension chart's default) lets a Gateway route to a pool endpoint of its own choice
+    while no picker answers, rather than refuse every request.
+    """
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": _metadata(owner),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "targetPorts": [{"number": SERVER_PORT}],
+            "appProtocol": "http",
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": endpoint_picker_name(owner.name),
+                "port": {"number": ENDPOINT_PICKER_PORT},
+                "failureMode": "FailOpen",
+            },
+        },
+    }
+
+
+def render_router(
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    *,
+    service_monitor: bool,
+    inference_pool: bool,
+    service_monitor_labels: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """The router's objects in apply order (its identity and permissions before its pods), or [] when
+    `router.enabled` is false."""
+    if not spec.router_enabled:
+        return []
+    objects = [
+        render_router_service_account(owner),
+        render_router_role(owner),
+        render_router_role_binding(owner),
+        render_router_deployment(owner, spec),
+        render_router_service(owner),
+    ]
+    if service_monitor:
+        objects.append(render_router_service_monitor(owner, service_monitor_labels))
+    if inference_pool:
+        objects.append(render_inference_pool(owner))
+    return objects
 
 
 # Pods metrics that Prometheus Adapter serves from the server's series
@@ -440,9 +722,11 @@ def render_all(
     scaled_object: bool = False,
     prometheus_url: str | None = None,
     service_monitor_labels: dict[str, str] | None = None,
+    inference_pool: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every child object, in apply order: the ServiceMonitor only when its API exists; an HPA or a
-    ScaledObject (when KEDA's API exists) for `autoscaling.engine` hpa or keda."""
+    """Every child object, in apply order: the ServiceMonitors only when their API exists; the router's
+    objects when `router.enabled` (its InferencePool when that API exists); an HPA or a ScaledObject
+    (when KEDA's API exists) for `autoscaling.engine` hpa or keda."""
     objects = [
         render_deployment(owner, spec, plan, replicas),
         render_service(owner),
@@ -450,6 +734,13 @@ def render_all(
     ]
     if service_monitor:
         objects.append(render_service_monitor(owner, service_monitor_labels))
+    objects += render_router(
+        owner,
+        spec,
+        service_monitor=service_monitor,
+        inference_pool=inference_pool,
+        service_monitor_labels=service_monitor_labels,
+    )
     engine = spec.autoscaling.engine if spec.autoscaling is not None else None
     if engine == "hpa":
         objects.append(render_hpa(owner, spec))

@@ -48,6 +48,13 @@ NAME_RULE_MESSAGE = (
     "metadata.name must be a DNS-1035 label (at most 63 lower-case letters, digits and '-', starting "
     "with a letter and ending with a letter or digit): it names the InferenceService's Service"
 )
+# The router's objects are `<name>-router`, and a Service name is a DNS-1035 label (at most 63).
+ROUTER_SUFFIX = "-router"
+MAX_NAME_WITH_ROUTER = 63 - len(ROUTER_SUFFIX)
+ROUTER_NAME_RULE_MESSAGE = (
+    f"with router.enabled metadata.name must be at most {MAX_NAME_WITH_ROUTER} characters: it names "
+    f"the router's Service <name>{ROUTER_SUFFIX}, a DNS-1035 label of at most 63"
+)
 # `conveyor serve` flags the operator sets (flag -> what to do instead).
 OWNED_FLAGS = {
     "--host": "it is the operator's",
@@ -473,6 +480,46 @@ class AutoscalingSpec(_CamelModel):
         return resolved_rules(self.behavior.scale_down, DEFAULT_SCALE_DOWN)
 
 
+RouterPolicy = Literal["prefix-aware", "least-load", "round-robin"]
+
+
+class RouterWeights(_CamelModel):
+    """How much each score counts when the router picks a replica (`conveyor router --weight-*`)."""
+
+    queue: float = Field(default=1.0, ge=0, description="Weight of the queue-depth score (--weight-queue).")
+    kv: float = Field(default=1.0, ge=0, description="Weight of the KV-cache-usage score (--weight-kv).")
+    prefix: float = Field(
+        default=2.0,
+        ge=0,
+        description="Weight of the prefix-affinity score (--weight-prefix); used by policy prefix-aware only.",
+    )
+
+
+class RouterSpec(_CamelModel):
+    """A `conveyor router` Deployment and Service in front of the server replicas: an OpenAI-compatible
+    proxy that picks a Ready replica per request by queue depth, KV-cache use and prefix-cache affinity,
+    and holds requests while no replica is Ready (the builtin autoscaler wakes one from zero)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Render the router; status.url then points at it. false removes what was rendered.",
+    )
+    replicas: int = Field(default=1, ge=1, description="Router pods (each routes on its own view).")
+    policy: RouterPolicy = Field(
+        default="prefix-aware",
+        description="prefix-aware: weighted queue, KV-use and prefix-affinity scores; least-load: queue "
+        "and KV-use scores only; round-robin: in turn (--policy).",
+    )
+    weights: RouterWeights = Field(default_factory=RouterWeights, description="Weights of the scores.")
+    queue_timeout_seconds: int = Field(
+        default=60,
+        ge=1,
+        le=3600,
+        description="Seconds a request waits in the router while no replica is Ready (scale from zero), "
+        "then 503 (--queue-timeout).",
+    )
+
+
 _TOLERATION_RULES = [
     (
         "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
@@ -566,7 +613,12 @@ class InferenceServiceSpec(_CamelModel):
         default=None,
         pattern=DNS1123_SUBDOMAIN,
         max_length=253,
-        description="Service account of the pods (a DNS-1123 subdomain).",
+        description="Service account of the server pods (a DNS-1123 subdomain).",
+    )
+    router: RouterSpec | None = Field(
+        default=None,
+        description="A load- and prefix-aware router in front of the replicas (<name>-router); absent "
+        "or enabled: false means clients use the server Service <name> directly.",
     )
 
     @field_validator("env")
@@ -592,6 +644,11 @@ class InferenceServiceSpec(_CamelModel):
     def tensor_parallel_size(self) -> int:
         """The tensor-parallel degree, defaulting to all GPUs of a replica."""
         return self.resources.tensor_parallel_size or self.resources.gpus_per_replica
+
+    @property
+    def router_enabled(self) -> bool:
+        """Whether a router is rendered in front of the replicas."""
+        return self.router is not None and self.router.enabled
 
     @property
     def desired_replicas(self) -> int:
@@ -636,6 +693,9 @@ class ObservedMetrics(_CamelModel):
     queue_depth: float | None = Field(default=None, description="Waiting requests over the Ready pods.")
     running_requests: float | None = None
     kv_cache_usage: float | None = Field(default=None, description="Mean KV-cache usage (0-1).")
+    router_requests_waiting: float | None = Field(
+        default=None, description="Requests the router holds because no replica is Ready."
+    )
     errors: dict[str, str] = Field(default_factory=dict, description="Queries without a usable value.")
 
 
@@ -699,7 +759,9 @@ class InferenceServiceStatus(_CamelModel):
     )
     autoscaler: AutoscalerStatus | None = Field(default=None, description="The builtin autoscaler's state.")
     url: str | None = Field(
-        default=None, description="In-cluster base URL of the OpenAI API, once a replica is Ready."
+        default=None,
+        description="In-cluster base URL of the OpenAI API (the router's Service <name>-router with "
+        "spec.router enabled), once a request can be answered.",
     )
     selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
 

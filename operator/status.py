@@ -12,7 +12,7 @@ from conveyor.operator.autoscaler import Decision, History, Recommendation, Scal
 from conveyor.operator.catalog import GiB
 from conveyor.operator.metrics import Reading
 from conveyor.operator.plan import SpecPlan
-from conveyor.operator.render import selector_string, service_url
+from conveyor.operator.render import router_name, selector_string, service_url
 from conveyor.operator.spec import InferenceServiceSpec
 
 CAPACITY_PLANNED = "CapacityPlanned"
@@ -102,9 +102,12 @@ def workload_conditions(
     now: str,
     previous: list[dict[str, Any]],
     unschedulable: tuple[int, str] | None = None,
+    router: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The Ready and Scaling conditions from the Deployment's status; `unschedulable` is (pods, the
-    scheduler's message) for pods that cannot be placed, which Ready then names."""
+    scheduler's message) for pods that cannot be placed, which Ready then names. With the router
+    enabled, `router` is its Deployment (None: not created yet), and Ready needs it rolled out too
+    (requests reach the replicas through it)."""
     desired, current, ready, updated, observed = _replica_counts(deployment)
     if deployment is None:
         ready_cond = (False, "DeploymentMissing", "the server Deployment does not exist yet")
@@ -123,6 +126,16 @@ def workload_conditions(
         )
     else:
         ready_cond = (False, "ReplicasNotReady", f"{ready}/{desired} replicas ready, {updated} updated")
+    if ready_cond[0] and spec.router_enabled:
+        r_desired, r_current, r_ready, r_updated, r_observed = _replica_counts(router)
+        if router is None or not (
+            r_observed and r_ready >= r_desired and r_updated >= r_desired and r_current == r_desired
+        ):
+            ready_cond = (
+                False,
+                "RouterNotReady",
+                f"{ready}/{desired} replicas ready; router {r_ready}/{r_desired} ready, {r_updated} updated",
+            )
 
     bounds = ""
     if spec.autoscaling is not None:
@@ -156,10 +169,12 @@ def build_status(
     scaling_problem: tuple[str, str] | None = None,
     apply_failure: tuple[str, str] | None = None,
     unschedulable: tuple[int, str] | None = None,
+    router: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The full `.status` object.
 
-    `unschedulable` is (pods, the scheduler's message) when pods cannot be placed.
+    `unschedulable` is (pods, the scheduler's message) when pods cannot be placed. `router` is the
+    live router Deployment when `spec.router` is enabled (None: not created yet).
     `scaling_problem` is `(reason, message)` when the configured autoscaler cannot run (its API is
     missing); it becomes the Scaling condition. `apply_failure` is `(reason, message)` when the API
     server refused a child; it becomes the Ready condition.
@@ -197,6 +212,7 @@ def build_status(
             now=now,
             previous=conditions_before,
             unschedulable=unschedulable,
+            router=router,
         )
     else:
         workload = [
@@ -255,10 +271,23 @@ def build_status(
         ),
         "replicas": current,
         "readyReplicas": ready,
-        # Only where a request can be answered (a replica Ready and no refused child).
-        "url": service_url(name, namespace) if ready > 0 and apply_failure is None else None,
+        "url": _url(name, namespace, spec, ready, router) if apply_failure is None else None,
         "selector": selector_string(name),
     }
+
+
+def _url(
+    name: str, namespace: str, spec: InferenceServiceSpec | None, ready: int, router: dict[str, Any] | None
+) -> str | None:
+    """`status.url`, only where a request can be answered: the server Service with a Ready replica;
+    with the router enabled the router Service once a router pod is Ready, and a server replica is
+    Ready or the builtin autoscaler (Active) wakes one for the requests the router holds."""
+    if spec is None or not spec.router_enabled:
+        return service_url(name, namespace) if ready > 0 else None
+    auto = spec.autoscaling
+    wakes = auto is not None and auto.engine == "builtin" and auto.mode == "Active"
+    router_ready = ((router or {}).get("status") or {}).get("readyReplicas", 0)
+    return service_url(router_name(name), namespace) if router_ready > 0 and (ready > 0 or wakes) else None
 
 
 METRICS_AVAILABLE = "MetricsAvailable"
@@ -287,6 +316,7 @@ def _metrics_status(reading: Reading, ready: int, now: str) -> dict[str, Any]:
         "queueDepth": o.queue_depth,
         "runningRequests": o.running_requests,
         "kvCacheUsage": o.kv_cache_usage,
+        "routerRequestsWaiting": o.router_waiting,
     }
     metrics: dict[str, Any] = {"time": now, "readyPods": ready}
     metrics.update({k: round(v, 4) for k, v in values.items() if v is not None})

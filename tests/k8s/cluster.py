@@ -618,6 +618,20 @@ class LocalCluster:
             time.sleep(0.2)
 
 
+def go_module_file(module: str, path: str) -> Path:
+    """A file of a Go module (`MODULE@VERSION`) as the Go module proxy serves it, cached by Go: the
+    third-party CRDs the tests apply (KEDA, the Gateway API Inference Extension)."""
+    out = subprocess.run(
+        ["go", "mod", "download", "-json", module],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GOFLAGS": "-mod=mod"},
+        cwd="/",
+    ).stdout
+    return Path(json.loads(out)["Dir"]) / path
+
+
 def _tail(text: str, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 

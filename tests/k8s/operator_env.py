@@ -53,9 +53,17 @@ SERVICE_MONITOR_CRD = {
 class Operator:
     """The operator subprocess; its log is read back into failure messages."""
 
-    def __init__(self, cluster: LocalCluster, namespace: str, log_path: Path, *extra_args: str) -> None:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        namespace: str,
+        log_path: Path,
+        *extra_args: str,
+        kubeconfig: Path | None = None,
+    ) -> None:
+        """`kubeconfig`: the operator's credentials (default: the cluster's admin)."""
         self.log_path = log_path
-        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig or cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
             [

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import threading
 import time
@@ -25,30 +24,40 @@ from typing import Any
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from tests.k8s.cluster import LocalCluster
+from tests.k8s.cluster import LocalCluster, go_module_file
 from tests.k8s.operator_env import CRD_PATH, ISVC_LABEL, Env, Operator, isvc
 from tests.prometheus import PrometheusServer
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 KEDA_MODULE = "github.com/kedacore/keda/v2@v2.21.0"
+ROUTER_LABEL = "serving.conveyor.dev/router"
 KEDA_CRD = "config/crd/bases/keda.sh_scaledobjects.yaml"
 
 
 class PodExporter:
-    """The server's autoscaling series for one simulated pod, on its own port, in the text format the
-    server's /metrics uses (prometheus_client's own server would negotiate OpenMetrics, whose samples
-    spell `conveyor:` as `conveyor_`)."""
+    """The server's autoscaling series for one simulated pod (or, with `router`, the router's held
+    requests), on its own port, in the text format the server's /metrics uses (prometheus_client's own
+    server would negotiate OpenMetrics, whose samples spell `conveyor:` as `conveyor_`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, router: bool = False) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        self.waiting = Gauge(
-            "conveyor:num_requests_waiting", "Requests queued.", labels, registry=self.registry
-        )
-        self.running = Gauge(
-            "conveyor:num_requests_running", "Requests running.", labels, registry=self.registry
-        )
+        self.router = router
+        if router:
+            self.held = Gauge(
+                "conveyor:router_requests_waiting",
+                "Requests held while no replica is ready.",
+                labels,
+                registry=self.registry,
+            )
+        else:
+            self.waiting = Gauge(
+                "conveyor:num_requests_waiting", "Requests queued.", labels, registry=self.registry
+            )
+            self.running = Gauge(
+                "conveyor:num_requests_running", "Requests running.", labels, registry=self.registry
+            )
         registry = self.registry
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,6 +77,9 @@ class PodExporter:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def set(self, waiting: float) -> None:
+        if self.router:
+            self.held.labels("m").set(waiting)
+            return
         self.waiting.labels("m").set(waiting)
         self.running.labels("m").set(1)
 
@@ -82,6 +94,7 @@ class PodMetrics:
         self.env = env
         self.prometheus = prometheus
         self.waiting: dict[str, float] = {}  # per pod, by InferenceService name
+        self.router_waiting: dict[str, float] = {}  # per router pod, by InferenceService name
         self.exporters: dict[str, PodExporter] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -95,12 +108,14 @@ class PodMetrics:
 
     def sync(self) -> None:
         pods = self.env.items("pods", ISVC_LABEL)
-        live = {p["metadata"]["name"]: p["metadata"]["labels"][ISVC_LABEL] for p in pods}
+        live = {p["metadata"]["name"]: (p["metadata"]["labels"][ISVC_LABEL], False) for p in pods}
+        routers = self.env.items("pods", ROUTER_LABEL)
+        live.update({p["metadata"]["name"]: (p["metadata"]["labels"][ROUTER_LABEL], True) for p in routers})
         for name in set(self.exporters) - set(live):
             self.exporters.pop(name).close()
-        for name, owner in live.items():
-            exporter = self.exporters.get(name) or self.exporters.setdefault(name, PodExporter())
-            exporter.set(self.waiting.get(owner, 0.0))
+        for name, (owner, router) in live.items():
+            exporter = self.exporters.get(name) or self.exporters.setdefault(name, PodExporter(router))
+            exporter.set((self.router_waiting if router else self.waiting).get(owner, 0.0))
         self.prometheus.set_targets(
             [
                 (f"127.0.0.1:{e.port}", {"namespace": self.env.namespace, "pod": name})
@@ -233,6 +248,35 @@ def test_scales_up_on_queue_depth_reconcile_keeps_it_and_scales_down_after_the_w
         auto.delete("queue")
 
 
+def test_requests_held_by_the_router_wake_a_service_scaled_to_zero(auto: AutoEnv) -> None:
+    """minReplicas 0 behind the router: idle, it goes to 0; requests the router holds bring one back."""
+    manifest = autoscaled("wake", minReplicas=0, behavior=FAST_DOWN)
+    manifest["spec"]["router"] = {"enabled": True}
+    auto.apply(manifest)
+    try:
+        auto.wait_ready("wake")
+        auto.eventually(lambda: auto.replicas("wake") == 0, "a scale-down to 0 replicas", timeout=90)
+        status = auto.eventually(
+            lambda: (
+                (s := auto.status("wake"))
+                .get("autoscaler", {})
+                .get("metrics", {})
+                .get("routerRequestsWaiting")
+                == 0
+                and s
+            ),
+            "a reading of the router at zero replicas",
+        )
+        assert status["url"] == f"http://wake-router.{auto.namespace}.svc.cluster.local"
+        auto.metrics.router_waiting["wake"] = 3
+        auto.eventually(lambda: auto.replicas("wake") == 1, "a scale-from-zero to 1 replica", timeout=60)
+        events = [e for e in auto.events("wake") if e["reason"] == "RouterRequestsWaiting"]
+        assert events and "3 waiting in the router" in events[0]["message"], events
+    finally:
+        auto.metrics.router_waiting.pop("wake", None)
+        auto.delete("wake")
+
+
 def test_prometheus_outage_holds_replicas_and_says_so(auto: AutoEnv) -> None:
     auto.apply(autoscaled("outage", minReplicas=2, behavior=FAST_DOWN))
     try:
@@ -355,15 +399,7 @@ def test_hpa_engine_renders_an_hpa_and_leaves_replicas_to_it(auto: AutoEnv) -> N
 
 def keda_crd() -> Path:
     """KEDA's ScaledObject CRD from its Go module (the Go module proxy serves it; cached by Go)."""
-    out = subprocess.run(
-        ["go", "mod", "download", "-json", KEDA_MODULE],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "GOFLAGS": "-mod=mod"},
-        cwd="/",
-    ).stdout
-    return Path(json.loads(out)["Dir"]) / KEDA_CRD
+    return go_module_file(KEDA_MODULE, KEDA_CRD)
 
 
 def test_keda_engine_renders_a_scaled_object_the_real_crd_accepts(auto: AutoEnv) -> None:

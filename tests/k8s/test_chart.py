@@ -15,6 +15,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from conveyor.operator.render import ROUTER_RULES
 from conveyor.operator.run import build_parser
 from tests.k8s.cluster import LocalCluster, ensure_binaries
 
@@ -117,7 +118,16 @@ def test_template_namespaces_and_peering(tmp_path: Path) -> None:
 
 # Every (verb, group, resource) the operator and kopf use. Checked with SubjectAccessReviews, which need
 # no discovery, so permissions for APIs not installed here (ServiceMonitor) are checked as well.
-_CHILDREN = [("apps", "deployments"), ("", "services"), ("policy", "poddisruptionbudgets")]
+_CHILDREN = [
+    ("apps", "deployments"),
+    ("", "services"),
+    ("policy", "poddisruptionbudgets"),
+    # spec.router
+    ("", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "roles"),
+    ("rbac.authorization.k8s.io", "rolebindings"),
+    ("inference.networking.k8s.io", "inferencepools"),
+]
 OPERATOR_PERMISSIONS: list[tuple[str, str, str]] = [
     *[(verb, "serving.conveyor.dev", "inferenceservices") for verb in ("get", "list", "watch", "patch")],
     ("patch", "serving.conveyor.dev", "inferenceservices/status"),
@@ -125,6 +135,27 @@ OPERATOR_PERMISSIONS: list[tuple[str, str, str]] = [
         (verb, group, resource)
         for group, resource in [*_CHILDREN, ("monitoring.coreos.com", "servicemonitors")]
         for verb in ("get", "list", "watch", "create", "patch")
+    ],
+    # The router's children are deleted when router.enabled turns false.
+    *[
+        ("delete", group, resource)
+        for group, resource in [
+            ("apps", "deployments"),
+            ("", "services"),
+            ("", "serviceaccounts"),
+            ("rbac.authorization.k8s.io", "roles"),
+            ("rbac.authorization.k8s.io", "rolebindings"),
+            ("monitoring.coreos.com", "servicemonitors"),
+            ("inference.networking.k8s.io", "inferencepools"),
+        ]
+    ],
+    # What the router's Role grants: RBAC refuses the Role unless the operator holds it too.
+    *[
+        (verb, group, resource)
+        for rule in ROUTER_RULES
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
     ],
     *[
         (verb, group, resource)

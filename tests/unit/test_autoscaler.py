@@ -225,3 +225,78 @@ def test_requests_per_second_target_sizes_the_pool_from_the_arrival_rate() -> No
     # Unknown rate: hold.
     decision, _ = step(s, 3, Observation(None, None, request_rate=None))
     assert (decision.replicas, decision.reason) == (3, "MetricsUnavailable")
+
+
+def test_requests_held_by_the_router_wake_a_service_scaled_to_zero() -> None:
+    """At zero replicas the server has no queue to read; the router's held requests are the demand."""
+    zero_ok = spec(minReplicas=0)
+    decision, _ = step(zero_ok, 0, Observation(None, None, router_waiting=3))
+    assert (decision.replicas, decision.reason, decision.metrics_available) == (
+        1,
+        "RouterRequestsWaiting",
+        True,
+    )
+    assert decision.message == (
+        "0 -> 1 replicas (p90 TTFT unknown; queue depth unknown; 3 waiting in the router; recommended 1)"
+    )
+    # max(minReplicas, 1), within maxReplicas.
+    decision, _ = step(spec(minReplicas=0, maxReplicas=1), 0, Observation(None, None, router_waiting=40))
+    assert decision.replicas == 1
+
+
+def test_an_idle_router_holds_zero_replicas_and_counts_as_data() -> None:
+    decision, history = step(spec(minReplicas=0), 0, Observation(None, None, router_waiting=0))
+    assert (decision.replicas, decision.reason, decision.metrics_available) == (0, "Steady", True)
+    assert history.recommendations == (Recommendation(0.0, 0),)
+    # Without the router's reading (a failed query) nothing is known: hold, MetricsUnavailable.
+    decision, _ = step(spec(minReplicas=0), 0, Observation(None, None, router_waiting=None))
+    assert (decision.replicas, decision.metrics_available) == (0, False)
+
+
+@pytest.mark.parametrize(
+    ("current", "ready", "expected", "reason"),
+    [
+        (2, 0, 2, "WaitingForReadyReplicas"),  # pods starting: the router's requests wait for them
+        (2, 2, 1, None),  # replicas Ready: their own queues count, not the router's
+    ],
+)
+def test_router_waiting_only_counts_with_no_replica(
+    current: int, ready: int, expected: int, reason: str | None
+) -> None:
+    observation = Observation(0.1, 0, 1.0, router_waiting=50)
+    replicas, _, got_reason, _ = recommend(spec(), current, ready, observation)
+    assert (replicas, got_reason) == (expected, reason)
+
+
+class _FakePrometheus:
+    """PrometheusSource.query answered from a table of PromQL -> vector (anything else: no data)."""
+
+    def __init__(self, answers: dict[str, list[tuple[dict[str, str], float]]]) -> None:
+        self.answers = answers
+        self.asked: list[str] = []
+
+    def __call__(self, promql: str) -> list[tuple[dict[str, str], float]]:
+        self.asked.append(promql)
+        return self.answers.get(promql, [])
+
+
+def test_observe_reads_the_router_pods_even_with_no_server_pod() -> None:
+    from conveyor.operator.metrics import PrometheusSource
+
+    held = 'sum(conveyor:router_requests_waiting{namespace="serving",pod=~"llama-router-5d8f-abcde"})'
+    source = PrometheusSource("http://prometheus:9090")
+    source.query = _FakePrometheus({held: [({}, 2.0)]})  # type: ignore[method-assign]
+    reading = source.observe("serving", [], 60, router_pods=["llama-router-5d8f-abcde"])
+    assert source.query.asked == [held]  # type: ignore[attr-defined]
+    assert reading.observation == Observation(None, None, router_waiting=2.0)
+    assert reading.errors == {"pods": "no Ready pods"}
+    # No router pod yet: unknown, never 0.
+    reading = source.observe("serving", [], 60, router_pods=[])
+    assert reading.observation.router_waiting is None
+    assert reading.errors == {"pods": "no Ready pods", "router_waiting": "no router pods"}
+    # No router (router_pods None): the router's series is not asked for.
+    source.query = _FakePrometheus({})  # type: ignore[method-assign]
+    reading = source.observe("serving", ["llama-5d8f-abcde"], 60)
+    assert not any("router" in q for q in source.query.asked)  # type: ignore[attr-defined]
+    assert "router_waiting" not in reading.errors
+    source.close()

@@ -17,7 +17,9 @@ class FakeCluster:
     """Stores objects by (kind, name); apply bumps resourceVersion only when the object changes;
     kinds in `refuse` are refused as the API server would ({kind: (HTTP status, message)})."""
 
-    def __init__(self, spec: dict[str, Any], service_monitor: bool = False) -> None:
+    def __init__(
+        self, spec: dict[str, Any], service_monitor: bool = False, inference_pool: bool = False
+    ) -> None:
         self.isvc: dict[str, Any] | None = {
             "apiVersion": "serving.conveyor.dev/v1alpha1",
             "kind": "InferenceService",
@@ -27,6 +29,8 @@ class FakeCluster:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.status_patches: list[dict[str, Any]] = []
         self.service_monitor = service_monitor
+        self.inference_pool = inference_pool
+        self.applied: list[tuple[str, str, bool]] = []  # (kind, name, dry_run)
         self.refuse: dict[str, tuple[int, str]] = {}
         self.discovery_refreshes = 0
         self.pending: tuple[int, str] | None = None
@@ -36,7 +40,9 @@ class FakeCluster:
         return copy.deepcopy(self.isvc)
 
     def has_api(self, api_version: str, kind: str) -> bool:
-        return kind == "ServiceMonitor" and self.service_monitor
+        return (kind == "ServiceMonitor" and self.service_monitor) or (
+            kind == "InferencePool" and self.inference_pool
+        )
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         return self.objects.pop((kind, name), None) is not None
@@ -49,6 +55,7 @@ class FakeCluster:
             status, message = self.refuse[obj["kind"]]
             raise ApplyError(obj["kind"], obj["metadata"]["name"], status, message)
         key = (obj["kind"], obj["metadata"]["name"])
+        self.applied.append((*key, dry_run))
         before = self.objects.get(key)
         desired = {k: v for k, v in obj.items() if k != "status"}
         if before is not None and configuration(before) == configuration(desired):
@@ -267,3 +274,100 @@ def test_the_operator_does_not_import_the_server_stack() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONSAFEPATH": "1"}
     )
     assert result.stdout.strip() == "[]"
+
+
+ROUTED = {**LLAMA, "router": {"enabled": True}}
+ROUTER_OBJECTS = [
+    ("ServiceAccount", "llama-router"),
+    ("Role", "llama-router"),
+    ("RoleBinding", "llama-router"),
+    ("Deployment", "llama-router"),
+    ("Service", "llama-router"),
+    ("ServiceMonitor", "llama-router"),
+    ("InferencePool", "llama"),
+]
+
+
+def _ready(cluster: FakeCluster, name: str) -> None:
+    deployment = cluster.objects[("Deployment", name)]
+    deployment["metadata"]["generation"] = 1
+    deployment["status"] = {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+
+
+def test_router_children_come_and_go_with_router_enabled(events: list[tuple[str, str, str]]) -> None:
+    cluster = FakeCluster(ROUTED, service_monitor=True, inference_pool=True)
+    reconcile(cluster)
+    assert set(ROUTER_OBJECTS) <= set(cluster.objects)
+    _ready(cluster, NAME)
+    reconcile(cluster)
+    ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
+    assert (ready["reason"], cluster.status_patches[-1]["url"]) == ("RouterNotReady", None)
+    _ready(cluster, "llama-router")
+    reconcile(cluster)
+    assert cluster.status_patches[-1]["url"] == f"http://llama-router.{NAMESPACE}.svc.cluster.local"
+
+    assert cluster.isvc is not None
+    cluster.isvc["spec"]["router"]["enabled"] = False
+    events.clear()
+    reconcile(cluster)
+    assert not set(ROUTER_OBJECTS) & set(cluster.objects)
+    assert sorted(cluster.objects) == [
+        ("Deployment", NAME),
+        ("PodDisruptionBudget", NAME),
+        ("Service", NAME),
+        ("ServiceMonitor", NAME),
+    ]
+    deleted = [m for t, r, m in events if r == "Deleted"]
+    # The ServiceAccount goes last: while it exists, a later reconcile finishes the job.
+    assert deleted[-1] == f"deleted ServiceAccount {NAMESPACE}/llama-router" and len(deleted) == 7
+    assert cluster.status_patches[-1]["url"] == f"http://{NAME}.{NAMESPACE}.svc.cluster.local"
+    events.clear()
+    reconcile(cluster)
+    assert events == []
+
+
+def test_a_new_role_is_stored_before_its_binding_is_checked(events: list[tuple[str, str, str]]) -> None:
+    """RBAC checks a RoleBinding against the Role it names: a dry-run Role is not there to be read."""
+    cluster = FakeCluster(ROUTED)
+    cluster.refuse["RoleBinding"] = (403, "user cannot bind")
+    with pytest.raises(handlers.ReconcileFailed):
+        reconcile(cluster)
+    assert list(cluster.objects) == [("Role", "llama-router")]  # grants nothing until bound
+    assert ("Role", "llama-router", False) in cluster.applied
+    assert ("ServiceAccount", "llama-router", True) in cluster.applied
+    cluster.refuse.clear()
+    cluster.applied.clear()
+    reconcile(cluster)
+    assert ("Role", "llama-router", True) in cluster.applied  # existing now: checked as a dry run
+    assert ("Normal", "Created", f"created Role {NAMESPACE}/llama-router") in events
+
+
+def test_a_name_another_controller_owns_is_not_taken_over(events: list[tuple[str, str, str]]) -> None:
+    """The router Deployment of `llama` and the server Deployment of an InferenceService named
+    `llama-router` share a name; the first to exist keeps it."""
+    cluster = FakeCluster(ROUTED)
+    other = {
+        "apiVersion": "serving.conveyor.dev/v1alpha1",
+        "kind": "InferenceService",
+        "name": "llama-router",
+    }
+    cluster.objects[("Deployment", "llama-router")] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": "llama-router",
+            "namespace": NAMESPACE,
+            "ownerReferences": [{**other, "uid": "uid-2", "controller": True}],
+        },
+        "spec": {"replicas": 1},
+    }
+    with pytest.raises(handlers.ReconcileFailed):
+        reconcile(cluster)
+    assert set(cluster.objects) == {("Deployment", "llama-router")}
+    assert cluster.objects[("Deployment", "llama-router")]["metadata"]["ownerReferences"][0]["uid"] == "uid-2"
+    ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "NameConflict")
+    assert ready["message"] == (
+        f"Deployment llama-router: {NAMESPACE}/llama-router already exists, controlled by "
+        "InferenceService llama-router: rename one of them"
+    )

@@ -1,22 +1,26 @@
 """Rendering an InferenceService into its children, and computing its status (pure, no cluster)."""
 
 import copy
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
 from conveyor.operator.plan import plan_for_spec
 from conveyor.operator.render import (
     Owner,
+    model_source,
     render_all,
     render_deployment,
+    render_inference_pool,
     render_pod_disruption_budget,
+    render_router_deployment,
     render_service,
     render_service_monitor,
+    router_args,
     selector_string,
     server_args,
 )
-from conveyor.operator.spec import InferenceServiceSpec, parse_spec
+from conveyor.operator.spec import InferenceServiceSpec, RouterSpec, parse_spec
 from conveyor.operator.status import build_status
 
 OWNER = Owner(name="llama", namespace="serving", uid="0b4f7e2a-1c1d-4f0e-9a55-0f6f1d2d9a10")
@@ -433,3 +437,364 @@ def test_keda_engine_renders_a_trigger_per_target_over_ready_pods() -> None:
         render_all(OWNER, spec, plan_for_spec(spec), None, service_monitor=False)[-1]["kind"]
         == "PodDisruptionBudget"
     )
+
+
+ROUTED = {"enabled": True}
+
+
+def _rendered(spec: InferenceServiceSpec, **flags: bool) -> dict[tuple[str, str], dict[str, Any]]:
+    objects = render_all(OWNER, spec, plan_for_spec(spec), 1, **flags)
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+@pytest.mark.parametrize("router", [None, {}, {"enabled": False, "replicas": 3}])
+def test_no_router_without_router_enabled(router: dict[str, Any] | None) -> None:
+    spec = _spec() if router is None else _spec(router=router)
+    kinds = [k for k, _ in _rendered(spec, service_monitor=True, inference_pool=True)]
+    assert kinds == ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
+
+
+def test_router_objects_names_labels_and_owners() -> None:
+    objects = _rendered(_spec(router=ROUTED), service_monitor=True, inference_pool=True)
+    assert list(objects) == [
+        ("Deployment", "llama"),
+        ("Service", "llama"),
+        ("PodDisruptionBudget", "llama"),
+        ("ServiceMonitor", "llama"),
+        ("ServiceAccount", "llama-router"),
+        ("Role", "llama-router"),
+        ("RoleBinding", "llama-router"),
+        ("Deployment", "llama-router"),
+        ("Service", "llama-router"),
+        ("ServiceMonitor", "llama-router"),
+        ("InferencePool", "llama"),
+    ]
+    router_labels = {
+        "app.kubernetes.io/name": "conveyor-router",
+        "app.kubernetes.io/instance": "llama",
+        "app.kubernetes.io/component": "router",
+        "app.kubernetes.io/managed-by": "conveyor-operator",
+        "serving.conveyor.dev/router": "llama",
+    }
+    for (kind, name), obj in objects.items():
+        assert obj["metadata"]["namespace"] == "serving"
+        assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [OWNER.uid]
+        if name == "llama-router":
+            assert obj["metadata"]["labels"] == router_labels, kind
+    assert _rendered(_spec(router=ROUTED), service_monitor=False, inference_pool=False).keys() == {
+        k for k in objects if k[0] not in ("ServiceMonitor", "InferencePool")
+    }
+
+
+def test_router_args_are_exact() -> None:
+    spec = _spec(
+        engine={"blockSize": 32},
+        router={
+            "enabled": True,
+            "policy": "least-load",
+            "weights": {"queue": 2, "kv": 0.5, "prefix": 0},
+            "queueTimeoutSeconds": 300,
+        },
+    )
+    assert router_args(OWNER, spec) == [
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--service",
+        "serving/llama",
+        "--service-port-name",
+        "http",
+        "--policy",
+        "least-load",
+        "--weight-queue",
+        "2.0",
+        "--weight-kv",
+        "0.5",
+        "--weight-prefix",
+        "0.0",
+        "--tokenizer",
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+        "--served-model-name",
+        "llama-3-8b",
+        "--block-size",
+        "32",
+        "--queue-timeout",
+        "300",
+    ]
+    defaults = router_args(OWNER, _spec(router=ROUTED))
+    assert defaults[defaults.index("--policy") :] == [
+        "--policy",
+        "prefix-aware",
+        "--weight-queue",
+        "1.0",
+        "--weight-kv",
+        "1.0",
+        "--weight-prefix",
+        "2.0",
+        "--tokenizer",
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+        "--served-model-name",
+        "llama-3-8b",
+        "--block-size",
+        "16",
+        "--queue-timeout",
+        "60",
+    ]
+
+
+def test_router_spec_defaults_are_the_routers() -> None:
+    """RouterSpec's defaults and policies are RouterConfig's (the source of `conveyor router`'s flags)."""
+    from conveyor.server.router.config import RouterConfig
+
+    defaults = RouterConfig(service="ns/name")
+    spec_defaults = RouterSpec(enabled=True)
+    assert (defaults.policy, defaults.weight_queue, defaults.weight_kv, defaults.weight_prefix) == (
+        spec_defaults.policy,
+        spec_defaults.weights.queue,
+        spec_defaults.weights.kv,
+        spec_defaults.weights.prefix,
+    )
+    assert defaults.queue_timeout == spec_defaults.queue_timeout_seconds
+    assert defaults.service_port_name == "http"
+    policies = get_args(RouterConfig.model_fields["policy"].annotation)
+    assert policies == get_args(RouterSpec.model_fields["policy"].annotation)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"router": ROUTED},
+        {
+            "model": {"uri": "pvc://weights/llama"},
+            "engine": {"blockSize": 8},
+            "router": {"enabled": True, "policy": "round-robin", "queueTimeoutSeconds": 1},
+        },
+    ],
+)
+def test_router_args_parse_with_the_routers_own_cli(extra: dict[str, Any]) -> None:
+    """The router Deployment's args are accepted by `conveyor router`'s own parser (its flags are built
+    from RouterConfig) and mean what the spec says."""
+    from conveyor.server.cli import collect_config
+    from conveyor.server.router.app import build_parser
+    from conveyor.server.router.config import RouterConfig
+
+    spec = _spec(**extra)
+    argv = router_args(OWNER, spec)
+    assert argv[0] == "router"
+    config = collect_config(build_parser().parse_args(argv[1:]), RouterConfig, "conveyor router")
+    assert isinstance(config, RouterConfig)
+    router = spec.router
+    assert router is not None
+    assert (config.host, config.port) == ("0.0.0.0", 8000)
+    assert (config.service, config.service_port_name, config.endpoint) == ("serving/llama", "http", [])
+    assert config.policy == router.policy
+    assert (config.weight_queue, config.weight_kv, config.weight_prefix) == (
+        router.weights.queue,
+        router.weights.kv,
+        router.weights.prefix,
+    )
+    assert config.tokenizer == model_source(spec)[0]
+    assert config.served_model_name == spec.model.name
+    assert config.block_size == spec.engine.block_size
+    assert config.queue_timeout == router.queue_timeout_seconds
+
+
+def test_router_and_server_pods_are_selected_apart() -> None:
+    """No selector of the server's (Deployment, Service, PDB, status.selector, InferencePool) matches a
+    router pod, and the router's matches no server pod; the server Deployment's selector is the one
+    existing Deployments were created with (it is immutable)."""
+    objects = _rendered(_spec(router=ROUTED), service_monitor=True, inference_pool=True)
+    server_pod = objects[("Deployment", "llama")]["spec"]["template"]["metadata"]["labels"]
+    router_pod = objects[("Deployment", "llama-router")]["spec"]["template"]["metadata"]["labels"]
+    server_selectors = [
+        objects[("Deployment", "llama")]["spec"]["selector"]["matchLabels"],
+        objects[("Service", "llama")]["spec"]["selector"],
+        objects[("PodDisruptionBudget", "llama")]["spec"]["selector"]["matchLabels"],
+        objects[("InferencePool", "llama")]["spec"]["selector"]["matchLabels"],
+        dict(kv.split("=") for kv in selector_string("llama").split(",")),
+    ]
+    router_selectors = [
+        objects[("Deployment", "llama-router")]["spec"]["selector"]["matchLabels"],
+        objects[("Service", "llama-router")]["spec"]["selector"],
+    ]
+    assert server_selectors[0] == {"serving.conveyor.dev/inferenceservice": "llama"}
+    assert router_selectors[0] == {"serving.conveyor.dev/router": "llama"}
+    for selector in server_selectors:
+        assert _selects(selector, server_pod) and not _selects(selector, router_pod), selector
+    for selector in router_selectors:
+        assert _selects(selector, router_pod) and not _selects(selector, server_pod), selector
+    assert (server_pod["app.kubernetes.io/component"], router_pod["app.kubernetes.io/component"]) == (
+        "inference-server",
+        "router",
+    )
+    # Each ServiceMonitor picks its own Service.
+    server_service = objects[("Service", "llama")]["metadata"]["labels"]
+    router_service = objects[("Service", "llama-router")]["metadata"]["labels"]
+    server_monitor = objects[("ServiceMonitor", "llama")]["spec"]["selector"]["matchLabels"]
+    router_monitor = objects[("ServiceMonitor", "llama-router")]["spec"]["selector"]["matchLabels"]
+    assert _selects(server_monitor, server_service) and not _selects(server_monitor, router_service)
+    assert _selects(router_monitor, router_service) and not _selects(router_monitor, server_service)
+    assert objects[("ServiceMonitor", "llama-router")]["spec"]["endpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "15s"}
+    ]
+
+
+def test_router_deployment_is_a_cpu_pod_with_its_own_identity() -> None:
+    spec = _spec(
+        model={"uri": "pvc://weights/llama/8b", "cache": {"sizeLimit": "20Gi"}},
+        resources={"cpu": "8", "memory": "64Gi"},
+        nodeSelector={"pool": "llm"},
+        tolerations=[{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+        serviceAccountName="llm-sa",
+        env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+        envFrom=[{"configMapRef": {"name": "settings"}}],
+        image="registry.example/conveyor:1.2",
+        router={"enabled": True, "replicas": 2},
+    )
+    dep = render_router_deployment(OWNER, spec)
+    assert dep["metadata"]["name"] == "llama-router"
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llama-router"
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    (container,) = pod["containers"]
+    assert container["name"] == "router"
+    assert container["image"] == "registry.example/conveyor:1.2"
+    assert container["command"] == ["conveyor"]
+    assert container["args"][container["args"].index("--tokenizer") + 1] == "/models/weights/llama/8b"
+    assert container["resources"] == {
+        "requests": {"cpu": "500m", "memory": "1Gi"},
+        "limits": {"memory": "2Gi"},
+    }
+    assert "nvidia.com/gpu" not in str(dep)
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert container["env"] == [
+        {"name": "HF_HOME", "value": "/models/hf-cache"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+    ]
+    assert container["envFrom"] == [{"configMapRef": {"name": "settings"}}]
+    assert pod["volumes"] == [
+        {"name": "hf-cache", "emptyDir": {"sizeLimit": "20Gi"}},
+        {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
+    ]
+    assert container["volumeMounts"] == [
+        {"name": "hf-cache", "mountPath": "/models/hf-cache"},
+        {"name": "model", "mountPath": "/models/weights", "readOnly": True},
+    ]
+
+
+def test_router_rbac_reads_endpointslices_only() -> None:
+    objects = _rendered(_spec(router=ROUTED), service_monitor=False)
+    assert objects[("ServiceAccount", "llama-router")]["apiVersion"] == "v1"
+    role = objects[("Role", "llama-router")]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = objects[("RoleBinding", "llama-router")]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "llama-router",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "serving"}]
+    service = objects[("Service", "llama-router")]
+    assert service["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    # The router discovers replicas by this port name in the server Service's EndpointSlices.
+    assert [p["name"] for p in objects[("Service", "llama")]["spec"]["ports"]] == ["http"]
+
+
+def test_inference_pool_selects_server_pods_and_names_an_endpoint_picker_not_the_router() -> None:
+    pool = render_inference_pool(OWNER)
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["name"] == "llama"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": {"serving.conveyor.dev/inferenceservice": "llama"}},
+        "targetPorts": [{"number": 8000}],
+        "appProtocol": "http",
+        "endpointPickerRef": {
+            "kind": "Service",
+            "name": "llama-epp",
+            "port": {"number": 9002},
+            "failureMode": "FailOpen",
+        },
+    }
+
+
+def _router_status(
+    spec: InferenceServiceSpec, server_ready: int, router_ready: int | None, replicas: int = 1
+) -> dict[str, Any]:
+    dep = _deployment(spec, replicas=replicas)
+    dep["metadata"]["generation"] = 1
+    dep["status"] = {
+        "observedGeneration": 1,
+        "replicas": replicas,
+        "updatedReplicas": replicas,
+        "readyReplicas": server_ready,
+    }
+    router = None
+    if router_ready is not None:
+        router = render_router_deployment(OWNER, spec)
+        router["metadata"]["generation"] = 1
+        router["status"] = {
+            "observedGeneration": 1,
+            "replicas": 1,
+            "updatedReplicas": 1,
+            "readyReplicas": router_ready,
+        }
+    return build_status(
+        name="llama",
+        namespace="serving",
+        generation=3,
+        spec=spec,
+        plan=plan_for_spec(spec),
+        failure=None,
+        deployment=dep,
+        previous={},
+        now=NOW,
+        router=router,
+    )
+
+
+def test_status_url_goes_through_the_router() -> None:
+    spec = _spec(router=ROUTED)
+    ready = _router_status(spec, server_ready=1, router_ready=1)
+    assert ready["url"] == "http://llama-router.serving.svc.cluster.local"
+    assert _conditions(ready)["Ready"]["reason"] == "ReplicasReady"
+    # Replicas Ready but no router pod yet: nothing answers at the URL.
+    waiting = _router_status(spec, server_ready=1, router_ready=0)
+    assert waiting["url"] is None
+    ready_cond = _conditions(waiting)["Ready"]
+    assert (ready_cond["status"], ready_cond["reason"]) == ("False", "RouterNotReady")
+    assert ready_cond["message"] == "1/1 replicas ready; router 0/1 ready, 1 updated"
+    assert _router_status(spec, server_ready=1, router_ready=None)["url"] is None
+    # Without a router the URL stays the server Service's.
+    assert _router_status(_spec(), server_ready=1, router_ready=None)["url"] == (
+        "http://llama.serving.svc.cluster.local"
+    )
+
+
+def test_status_url_at_zero_replicas_only_when_the_router_wakes_one() -> None:
+    auto = {"minReplicas": 0, "maxReplicas": 2, "targetQueueDepth": 4}
+    woken = _router_status(_spec(router=ROUTED, autoscaling=auto), 0, 1, replicas=0)
+    assert woken["url"] == "http://llama-router.serving.svc.cluster.local"
+    advisory = _spec(router=ROUTED, autoscaling={**auto, "mode": "Advisory"})
+    assert _router_status(advisory, 0, 1, replicas=0)["url"] is None
+    assert _router_status(_spec(router=ROUTED, replicas=0), 0, 1, replicas=0)["url"] is None

@@ -76,6 +76,10 @@ def test_camel_case_aliases_round_trip() -> None:
         {**MINIMAL, "engine": {"blockSize": 12}},
         {**MINIMAL, "model": {"name": "m", "maxModelLen": 4096, "dtype": "int3"}},
         {**MINIMAL, "model": {"name": "m", "maxModelLen": 4096, "uri": "s3://bucket/model"}},
+        {**MINIMAL, "router": {"enabled": True, "policy": "random"}},
+        {**MINIMAL, "router": {"enabled": True, "replicas": 0}},
+        {**MINIMAL, "router": {"enabled": True, "weights": {"prefix": -1}}},
+        {**MINIMAL, "router": {"enabled": True, "queueTimeoutSeconds": 0}},
     ],
 )
 def test_invalid_specs_are_rejected(bad: dict[str, Any]) -> None:
@@ -216,3 +220,41 @@ def test_conveyor_cli_routes_crd_and_plan(capsys: pytest.CaptureFixture[str]) ->
         main(["operator", "--help"])
     assert excinfo.value.code == 0
     assert "--all-namespaces" in capsys.readouterr().out
+
+
+def test_router_is_off_unless_enabled_and_has_the_routers_defaults() -> None:
+    assert parse_spec(MINIMAL).router is None and not parse_spec(MINIMAL).router_enabled
+    assert not parse_spec({**MINIMAL, "router": {}}).router_enabled
+    spec = parse_spec({**MINIMAL, "router": {"enabled": True}})
+    router = spec.router
+    assert spec.router_enabled and router is not None
+    assert (router.replicas, router.policy, router.queue_timeout_seconds) == (1, "prefix-aware", 60)
+    assert (router.weights.queue, router.weights.kv, router.weights.prefix) == (1.0, 1.0, 2.0)
+    raw = {
+        "enabled": True,
+        "replicas": 2,
+        "policy": "round-robin",
+        "queueTimeoutSeconds": 5,
+        "weights": {"kv": 0},
+    }
+    dumped = parse_spec({**MINIMAL, "router": raw}).model_dump(by_alias=True, exclude_none=True)["router"]
+    assert dumped == {**raw, "weights": {"queue": 1.0, "kv": 0.0, "prefix": 2.0}}
+
+
+def test_crd_router_schema_and_name_rule() -> None:
+    schema = _schema()
+    router = schema["properties"]["spec"]["properties"]["router"]
+    assert "default" not in router, "an unset router stays absent from stored objects"
+    props = router["properties"]
+    assert list(props) == ["enabled", "replicas", "policy", "weights", "queueTimeoutSeconds"]
+    assert props["enabled"]["default"] is False
+    assert props["policy"]["enum"] == ["prefix-aware", "least-load", "round-robin"]
+    assert (props["replicas"]["minimum"], props["queueTimeoutSeconds"]["minimum"]) == (1, 1)
+    assert {k: v["default"] for k, v in props["weights"]["properties"].items()} == {
+        "queue": 1.0,
+        "kv": 1.0,
+        "prefix": 2.0,
+    }
+    # <name>-router names a Service (a DNS-1035 label of at most 63 characters).
+    (rule,) = [r for r in schema["x-kubernetes-validations"] if "router" in r["rule"]]
+    assert rule["rule"].endswith("size(self.metadata.name) <= 56")
