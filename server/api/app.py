@@ -79,9 +79,16 @@ class OpenAIServer:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """400 for a request the engine would refuse. Runs in a worker thread: compiling a
+        structured-output grammar may take a while, and the event loop keeps serving meanwhile."""
+
+        def check() -> None:
+            for prompt_ids in prompts:
+                self.engine.engine.validate(prompt_ids, params)
+
         try:
-            self.engine.engine.validate(prompt_ids, params)
+            await asyncio.to_thread(check)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
@@ -151,8 +158,7 @@ class OpenAIServer:
         self.check_model(req.model)
         prompts = self._completion_prompts(req)
         params = req.sampling_params(req.max_tokens or 16, req.logprobs)
-        for prompt_ids in prompts:
-            self.validate(prompt_ids, params)
+        await self.validate(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         stream = self._merged(prompts, params, req.n, req.priority, arrival)
         num_prompt_tokens = sum(len(p) for p in prompts)
@@ -237,7 +243,7 @@ class OpenAIServer:
             req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
         )
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        self.validate(prompt_ids, params)
+        await self.validate([prompt_ids], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         stream = self._merged([prompt_ids], params, req.n, req.priority, arrival)
         top_n = req.top_logprobs

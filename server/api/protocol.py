@@ -1,19 +1,25 @@
 """OpenAI-compatible request bodies (and vLLM's extensions), validated by pydantic.
 
 A field outside its range fails validation, and the app answers 400 with a message naming the field.
-OpenAI fields this server does not implement yet (`response_format` other than text, `tools`, vLLM's
-`guided_*`, ...) are refused by name rather than silently ignored; other unknown fields are ignored, as
-OpenAI-compatible servers commonly do.
+OpenAI fields this server does not implement yet (`tools`, `audio`, ...) are refused by name rather
+than silently ignored; other unknown fields are ignored, as OpenAI-compatible servers commonly do.
+
+Structured output comes in OpenAI's spelling (`response_format`: `json_object`, or `json_schema` with a
+`schema`) or vLLM's (`structured_outputs` with one of `json`, `regex`, `choice`, `grammar`,
+`json_object`; or the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`); at most
+one of them per request.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from conveyor.server.engine.request import SamplingParams
+from conveyor.server.engine.structured_output import StructuredOutputParams
 
 MAX_LOGPROBS = 20
 
@@ -40,7 +46,6 @@ class StreamOptions(_Body):
 # Fields of OpenAI's (or vLLM's) request bodies not implemented here, with the value that asks for
 # nothing (accepted); any other value is a 400 naming the field.
 NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
@@ -51,12 +56,62 @@ NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
+    "guided_decoding_backend": (None, "xgrammar"),
 }
+
+
+class JSONSchemaFormat(_Body):
+    """`response_format.json_schema` (OpenAI): a named schema the output must validate against."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    # `schema` would shadow a pydantic BaseModel attribute; the JSON key is still `schema`.
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: `text` (free), `json_object` (any JSON object) or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type `json_schema` needs a `json_schema` object with a `name` and a `schema`")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"`json_schema` is only for type `json_schema`, not `{self.type}`")
+        return self
+
+
+class StructuredOutputsOptions(_Body):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsOptions:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+
+def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{param}: the schema is not valid JSON ({exc.msg})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{param}: a JSON schema is an object")
+    return json.dumps(schema)
 
 
 class _GenerationRequest(_Body):
@@ -82,6 +137,55 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsOptions | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, min_length=1)
+    _structured_output: StructuredOutputParams | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> _GenerationRequest:
+        self._structured_output = self._parse_structured_output()
+        return self
+
+    def _parse_structured_output(self) -> StructuredOutputParams | None:
+        found: list[StructuredOutputParams] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutputParams("json_object", "", "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            schema = _schema_text(rf.json_schema.json_schema, "response_format.json_schema.schema")
+            found.append(StructuredOutputParams("json", schema, "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            param = "structured_outputs"
+            if so.json_ is not None:
+                found.append(StructuredOutputParams("json", _schema_text(so.json_, param + ".json"), param))
+            elif so.regex is not None:
+                found.append(StructuredOutputParams("regex", so.regex, param))
+            elif so.choice is not None:
+                found.append(StructuredOutputParams("choice", json.dumps(so.choice), param))
+            elif so.grammar is not None:
+                found.append(StructuredOutputParams("grammar", so.grammar, param))
+            else:
+                found.append(StructuredOutputParams("json_object", "", param))
+        if self.guided_json is not None:
+            schema = _schema_text(self.guided_json, "guided_json")
+            found.append(StructuredOutputParams("json", schema, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(StructuredOutputParams("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(StructuredOutputParams("choice", json.dumps(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(StructuredOutputParams("grammar", self.guided_grammar, "guided_grammar"))
+        if len(found) > 1:
+            raise ValueError(
+                f"give one structured output constraint, not {len(found)} "
+                f"({', '.join(f.param for f in found)})"
+            )
+        return found[0] if found else None
 
     @model_validator(mode="before")
     @classmethod
@@ -126,6 +230,7 @@ class _GenerationRequest(_Body):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            structured_output=self._structured_output,
         )
 
     @property

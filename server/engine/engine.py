@@ -22,6 +22,7 @@ from conveyor.server.engine.detokenizer import IncrementalDetokenizer
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.request import FinishReason, Logprob, Request, SamplingParams
 from conveyor.server.engine.scheduler import Scheduler, SchedulerOutput
+from conveyor.server.engine.structured_output import InvalidGrammarError, StructuredOutputManager
 from conveyor.server.model import loader
 from conveyor.server.model.runner import ModelRunner
 
@@ -191,6 +192,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_num_seqs)
         self.runner = ModelRunner(self.model, ops, num_blocks, cc.block_size, self.dtype, self.device)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self.global_generator = torch.Generator().manual_seed(mc.seed)
         self.stats = EngineStats()
 
@@ -251,6 +253,12 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop_token_ids out of vocabulary: {bad_stop[:5]}", "stop_token_ids")
+        so = params.structured_output
+        if so is not None:
+            try:
+                self.structured_output.compile(so)  # cached: add_request's compile is a lookup
+            except InvalidGrammarError as exc:
+                raise InvalidRequestError(f"{so.param}: {exc}", so.param) from None
 
     def add_request(
         self,
@@ -272,6 +280,8 @@ class LLMEngine:
         )
         if request.generator is None:
             request.generator = self.global_generator
+        if params.structured_output is not None:
+            request.grammar = self.structured_output.matcher(params.structured_output)
         self.scheduler.add_request(request)
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         return request
@@ -314,6 +324,7 @@ class LLMEngine:
                 request.output_logprobs.append(lp)
             if self.observer is not None:
                 self.observer.on_new_tokens(request, 1, request.last_token_time, previous_token_time)
+            self._advance_grammar(request)
             detok = self.detokenizers[request.request_id]
             if detok.update([request.output_token_ids[-1]]) and not request.is_finished:
                 self.scheduler.finish_request(request, FinishReason.STOP)
@@ -321,6 +332,22 @@ class LLMEngine:
         if self.observer is not None:
             self.observer.on_step(self, schedule)
         return outputs
+
+    def _advance_grammar(self, request: Request) -> None:
+        """Feed the sampled token to the request's grammar; a grammar that has ended ends the request."""
+        if request.grammar is None:
+            return
+        if not request.grammar.accept_token(request.output_token_ids[-1]):
+            # The bitmask allowed only tokens the grammar accepts; refusing one is a bug, not user error.
+            logger.error(
+                "request %s: grammar refused sampled token %d",
+                request.request_id,
+                request.output_token_ids[-1],
+            )
+            if not request.is_finished:
+                self.scheduler.finish_request(request, FinishReason.ABORT)
+        elif request.grammar.is_terminated() and not request.is_finished:
+            self.scheduler.finish_request(request, FinishReason.STOP)
 
     def _record_step(self, schedule: SchedulerOutput) -> None:
         self.stats.num_steps += 1

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from conveyor.server.engine.structured_output import StructuredOutputParams
+
 
 class FinishReason(enum.StrEnum):
     """Why a request stopped; the values are OpenAI's `finish_reason` strings."""
@@ -34,7 +36,8 @@ class SamplingParams:
     prompt or output (CTRL, Keskar et al. 2019); presence/frequency penalties in [-2, 2] subtract
     from logits of output tokens (OpenAI's formula). seed makes this request's samples reproducible
     whatever else is in the batch. logprobs: number of top log-probabilities to return per token
-    (None = none, 0 = only the sampled token's).
+    (None = none, 0 = only the sampled token's). structured_output: a grammar the output must match
+    (a JSON schema, regex, choice or EBNF; see structured_output.py), None for free text.
     """
 
     temperature: float = 1.0
@@ -53,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_output: StructuredOutputParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +100,8 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     generator: torch.Generator | None = None
+    # The request's position in its structured-output grammar (an xgrammar GrammarMatcher), if any.
+    grammar: object | None = None
     # Prompt followed by output tokens, kept as one list so a step can slice it without copying both.
     all_token_ids: list[int] = field(default_factory=list)
 

@@ -1,6 +1,6 @@
 """Turns the logits of one step into next tokens, one row per sampling request.
 
-Order of operations as in vLLM's sampler: logit bias, penalties, then (for log-probabilities) the raw
+Order of operations as in vLLM's sampler: the structured-output grammar's bitmask, logit bias, penalties, then (for log-probabilities) the raw
 distribution, then temperature, min_p, top_k and top_p truncation, then sampling. Random rows sample by
 the exponential race `argmax(p / q)`, `q ~ Exp(1)`, which equals drawing from `p`; a request with a seed
 draws its `q` from its own generator, so its tokens do not depend on what else is in the batch.
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.server.engine.request import Logprob, Request
+from conveyor.server.engine.structured_output import apply_grammar_bitmask
 
 MAX_LOGPROBS = 20
 
@@ -52,10 +53,11 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 
 
 def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Before `min_tokens` outputs, EOS and stop token ids cannot be sampled (vLLM's min_tokens)."""
+    """Before `min_tokens` outputs, EOS and stop token ids cannot be sampled (vLLM's min_tokens).
+    A request with a grammar is left to it: the grammar alone says when its output may end."""
     for row, request in enumerate(requests):
         p = request.sampling_params
-        if len(request.output_token_ids) < p.min_tokens:
+        if len(request.output_token_ids) < p.min_tokens and request.grammar is None:
             banned = list(p.stop_token_ids)
             if request.eos_token_id is not None and not p.ignore_eos:
                 banned.append(request.eos_token_id)
@@ -92,11 +94,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     """Sample one token per row.
 
     logits: `[num_rows, vocab_size]` (any float dtype; computed in float32); row i belongs to
-    requests[i]. Log-probabilities, when asked for, are of the model's distribution after logit bias
-    and penalties and before temperature and truncation (vLLM's default "raw" log-probabilities; with
+    requests[i]. Log-probabilities, when asked for, are of the model's distribution after the grammar's
+    mask, logit bias and penalties and before temperature and truncation (vLLM's default "raw" log-probabilities; with
     a logit_bias they are of the biased distribution, as OpenAI's are).
     """
     logits = logits.to(torch.float32, copy=True)  # penalties and masks work in place
+    apply_grammar_bitmask(logits, [r.grammar for r in requests])
     _apply_logit_bias(logits, requests)
     _apply_penalties(logits, requests)
     _mask_min_tokens(logits, requests)

@@ -1,0 +1,118 @@
+"""Structured output: grammars that constrain what a request may generate (xgrammar).
+
+A request's `StructuredOutputParams` (a JSON schema, any JSON object, a regex, a choice of strings, or
+an EBNF grammar) is compiled once per distinct spec by xgrammar's `GrammarCompiler`, whose cache makes
+the second compile of the same spec a lookup. Each constrained request gets its own `GrammarMatcher`
+(its position in the grammar); every step the sampler fills one row of a token bitmask per
+constrained row and masks the logits (`apply_grammar_bitmask`), and the engine advances the matcher
+with the sampled token. Unconstrained rows are never touched. This is vLLM's and SGLang's design
+(xgrammar: Dong et al. 2024, arXiv:2411.15100).
+
+JSON is generated compact (`any_whitespace=False`: no free whitespace between tokens), so a small
+model cannot loop on blank lines; `strict_mode` keeps objects to the properties the schema names, as
+OpenAI's strict structured outputs do.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import xgrammar as xgr
+
+StructuredOutputKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """What a request's output must match.
+
+    kind: `json` (spec: a JSON schema as JSON text), `json_object` (any JSON object; spec unused),
+    `regex` (spec: a regular expression the whole output matches), `choice` (spec: a JSON list of
+    strings; the output is exactly one of them), `grammar` (spec: an EBNF grammar in xgrammar's
+    dialect, rule `root`). param: the request field it came from, named in errors.
+    """
+
+    kind: StructuredOutputKind
+    spec: str = ""
+    param: str = "response_format"
+
+
+class InvalidGrammarError(ValueError):
+    """A spec that does not compile (a malformed schema, regex or grammar); the message says why."""
+
+
+def _choice_grammar(spec: str) -> str:
+    choices = json.loads(spec)
+    if not choices:
+        raise InvalidGrammarError("a choice needs at least one string")
+    # A JSON string literal is a valid EBNF string literal in xgrammar's dialect.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class StructuredOutputManager:
+    """Compiles grammars for one tokenizer and vocabulary and hands out matchers. Thread-safe: the
+    API compiles (off the event loop) to validate, the engine loop compiles again (a cache hit) to
+    start the request's matcher.
+
+    tokenizer: the model's transformers tokenizer; vocab_size: rows of the LM head's logits, which
+    may exceed the tokenizer's own size (padding ids are never allowed).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        # Built on first use: reading the vocabulary takes about half a second, which servers that
+        # never see a constrained request should not pay at start.
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of `params`. Raises InvalidGrammarError with xgrammar's reason."""
+        compiler = self._get_compiler()
+        try:
+            if params.kind == "json":
+                return compiler.compile_json_schema(params.spec, any_whitespace=False, strict_mode=True)
+            if params.kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if params.kind == "regex":
+                return compiler.compile_regex(params.spec)
+            if params.kind == "choice":
+                return compiler.compile_grammar(_choice_grammar(params.spec))
+            return compiler.compile_grammar(params.spec)
+        except InvalidGrammarError:
+            raise
+        except (RuntimeError, ValueError) as exc:
+            # xgrammar's messages start with a C++ source location: keep only the reason.
+            reason = str(exc).strip().splitlines()[0].split(": ", 1)[-1] if str(exc).strip() else repr(exc)
+            raise InvalidGrammarError(reason) from None
+
+    def matcher(self, params: StructuredOutputParams) -> xgr.GrammarMatcher:
+        """A fresh matcher at the start of `params`'s grammar."""
+        return xgr.GrammarMatcher(self.compile(params))
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
+    """In place: tokens a row's grammar does not allow next get -inf; rows without a matcher (None)
+    are untouched.
+
+    logits: `[num_rows, vocab_size]` float32 on the CPU; matchers[i] belongs to row i.
+    """
+    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    if not rows:
+        return
+    # Rows of the bitmask line up with rows of the logits; only the constrained rows are filled.
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    for row in rows:
+        matchers[row].fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
