@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 import types
 import typing
@@ -146,6 +147,14 @@ def build_parser(
     return parser
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived after uvicorn's own handler was gone (it re-raises the signal it drained on)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -176,19 +185,33 @@ def serve(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(engine.served_model_name)
     engine.observer = metrics
     async_engine = AsyncEngine(engine)
-    app = create_app(
-        async_engine, metrics, api_key=server_config.api_key or os.environ.get("CONVEYOR_API_KEY")
-    )
+    if server_config.api_key is None and os.environ.get("CONVEYOR_API_KEY"):
+        server_config = server_config.model_copy(update={"api_key": os.environ["CONVEYOR_API_KEY"]})
+    app = create_app(async_engine, metrics, server_config)
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM (the pod is going away): readiness fails at once so no new traffic comes; uvicorn
+            # then stops listening and waits up to the grace period for running responses.
+            app.state.draining = True
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets=None) -> None:
             # uvicorn's graceful shutdown waits for every open response; KV event streams never end.
             async_engine.end_kv_event_streams()
             await super().shutdown(sockets)
 
-    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
+    config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=server_config.shutdown_grace_period,
+    )
     server = Server(config)
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it shut down on
+    # uvicorn re-raises the signal it shut down on once it has; a drained server exits 0 instead.
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    with contextlib.suppress(KeyboardInterrupt, _Terminated):
         server.run()
     return 0 if server.started else 3  # uvicorn.run's exit status when startup fails
 

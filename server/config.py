@@ -92,6 +92,21 @@ class ServerConfig(_Config):
         description="require `Authorization: Bearer KEY` (OpenAI clients send their api_key so); default: "
         "$CONVEYOR_API_KEY, else no key; /health and /metrics stay open, as vLLM's",
     )
+    max_waiting_requests: int | None = Field(
+        None,
+        ge=1,
+        description="engine requests (one per choice) that may wait for a slot; past it a request gets 429 "
+        "with Retry-After instead of queueing; default: no bound",
+    )
+    max_request_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="larger request bodies get 413 before they are parsed"
+    )
+    shutdown_grace_period: float = Field(
+        30.0,
+        ge=0,
+        description="seconds SIGTERM waits for running requests to finish (readiness fails at once, no new "
+        "connections); then they are aborted and the server exits",
+    )
 
 
 class EngineConfig(_Config):

@@ -34,6 +34,7 @@ from conveyor.server.api.protocol import (
     NotImplementedFieldError,
     TokenizeRequest,
 )
+from conveyor.server.config import ServerConfig
 from conveyor.server.engine.async_engine import AsyncEngine
 from conveyor.server.engine.engine import InvalidRequestError, RequestOutput
 from conveyor.server.engine.kv_cache import KVCacheEvent, KVCacheSnapshot
@@ -57,9 +58,10 @@ class _Choice:
 class OpenAIServer:
     """Turns HTTP requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_waiting_requests = config.max_waiting_requests
         self.tokenizer = engine.engine.tokenizer
         self.model_name = engine.engine.served_model_name
         self.max_model_len = engine.engine.max_model_len
@@ -91,6 +93,19 @@ class OpenAIServer:
             await asyncio.to_thread(check)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), exc.param) from None
+
+    def admit(self, num_requests: int) -> None:
+        """429 (OpenAI's rate-limit body, `Retry-After`) when `num_requests` more would make the
+        waiting queue longer than --max-waiting-requests: overload sheds load instead of growing TTFT."""
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.num_waiting + num_requests > limit:
+            raise APIError(
+                429,
+                f"the server has {self.engine.num_waiting} requests waiting (--max-waiting-requests "
+                f"{limit}); retry later",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
 
     async def _merged(
         self, prompts: list[list[int]], params: SamplingParams, n: int, priority: int, arrival: float
@@ -159,6 +174,7 @@ class OpenAIServer:
         prompts = self._completion_prompts(req)
         params = req.sampling_params(req.max_tokens or 16, req.logprobs)
         await self.validate(prompts, params)
+        self.admit(len(prompts) * req.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         stream = self._merged(prompts, params, req.n, req.priority, arrival)
         num_prompt_tokens = sum(len(p) for p in prompts)
@@ -244,6 +260,7 @@ class OpenAIServer:
         )
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         await self.validate([prompt_ids], params)
+        self.admit(req.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         stream = self._merged([prompt_ids], params, req.n, req.priority, arrival)
         top_n = req.top_logprobs
@@ -396,10 +413,58 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 _OPEN_PATHS = {"/health", "/metrics"}
 
 
-def create_app(engine: AsyncEngine, metrics: EngineMetrics, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app. Starts the engine loop on startup and stops it on shutdown. With `api_key`,
-    every path but /health and /metrics needs `Authorization: Bearer <api_key>` (else 401, OpenAI's
-    `invalid_api_key`)."""
+class BodySizeLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 (OpenAI's error body) before any
+    route parses it, whether it declares a Content-Length or comes chunked."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(
+            413, f"the request body exceeds --max-request-body-bytes ({self.max_bytes} bytes)"
+        ).response()
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await too_large(scope, receive, send)
+            return
+        # Read the whole body here (the JSON routes would anyway), counting, then replay it.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+
+def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app. Starts the engine loop on startup and stops it on shutdown.
+
+    config: the server's settings (default: ServerConfig()). With `api_key`, every path but /health and
+    /metrics needs `Authorization: Bearer <api_key>` (else 401, OpenAI's `invalid_api_key`). Setting
+    `app.state.draining` (the server does on SIGTERM) makes /health answer 503.
+    """
+    config = config or ServerConfig()
+    api_key = config.api_key
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -409,8 +474,10 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, api_key: str | None 
         engine.stop()
 
     app = FastAPI(title="conveyor", lifespan=lifespan)
-    server = OpenAIServer(engine, metrics)
+    server = OpenAIServer(engine, metrics, config)
     app.state.server = server
+    app.state.draining = False
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -443,7 +510,7 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, api_key: str | None 
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        return Response(status_code=200 if engine.is_running and not app.state.draining else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -103,6 +103,12 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
 
     @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot: handed in but not yet taken by the loop, or waiting in the
+        scheduler (read without the lock: a momentary count)."""
+        return len(self._inbox) + len(self.engine.scheduler.waiting)
+
+    @property
     def num_kv_event_subscribers(self) -> int:
         """KV event subscribers the loop is sending to (a subscription counts once the loop took it)."""
         return len(self._kv_subscribers)
