@@ -92,6 +92,11 @@ class ServerConfig(_Config):
         description="require `Authorization: Bearer KEY` (OpenAI clients send their api_key so); default: "
         "$CONVEYOR_API_KEY, else no key; /health and /metrics stay open, as vLLM's",
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+        "hermes",
+        description="how tool calls are read from a reply under tool_choice auto: hermes = <tool_call> blocks "
+        "(the default tool prompt's format), llama3_json = JSON call objects (Llama 3.1)",
+    )
     max_waiting_requests: int | None = Field(
         None,
         ge=1,

@@ -25,15 +25,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.server.api.errors import APIError
 from conveyor.server.api.metrics import EngineMetrics
-from conveyor.server.api.prompts import PromptError, chat_prompt_ids, completion_prompt_ids
+from conveyor.server.api.prompts import (
+    PromptError,
+    chat_prompt_ids,
+    chat_request_prompt_ids,
+    completion_prompt_ids,
+)
 from conveyor.server.api.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
-    NotImplementedFieldError,
+    FieldError,
+    NamedToolChoice,
     TokenizeRequest,
 )
+from conveyor.server.api.tools import TOOL_CALL_PARSERS, ToolCallReader, tool_call_json
 from conveyor.server.config import ServerConfig
 from conveyor.server.engine.async_engine import AsyncEngine
 from conveyor.server.engine.engine import InvalidRequestError, RequestOutput
@@ -62,6 +68,7 @@ class OpenAIServer:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting_requests = config.max_waiting_requests
+        self.tool_parser = TOOL_CALL_PARSERS[config.tool_call_parser]()
         self.tokenizer = engine.engine.tokenizer
         self.model_name = engine.engine.served_model_name
         self.max_model_len = engine.engine.max_model_len
@@ -72,9 +79,11 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
-    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def prompt_ids(self, build: Callable, *args):
+        """`build(tokenizer, *args)` (prompts.py) in a worker thread, so that tokenizing and chat
+        templating do not hold up the event loop; a PromptError is a 400 naming its field."""
         try:
-            return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
+            return await asyncio.to_thread(build, self.tokenizer, *args)
         except PromptError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
@@ -147,12 +156,6 @@ class OpenAIServer:
 
     # -- completions ----------------------------------------------------------------------------------
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        try:
-            return completion_prompt_ids(self.tokenizer, req.prompt)
-        except PromptError as exc:
-            raise APIError(400, str(exc), exc.param) from None
-
     def _completion_logprobs(self, choice: _Choice) -> dict | None:
         if not choice.logprobs:
             return None
@@ -171,7 +174,7 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(req.model)
-        prompts = self._completion_prompts(req)
+        prompts = await self.prompt_ids(completion_prompt_ids, req.prompt)
         params = req.sampling_params(req.max_tokens or 16, req.logprobs)
         await self.validate(prompts, params)
         self.admit(len(prompts) * req.n)
@@ -251,10 +254,16 @@ class OpenAIServer:
             content.append(item)
         return {"content": content}
 
+    def _tool_reader(self, req: ChatCompletionRequest) -> ToolCallReader:
+        choice = req.effective_tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return ToolCallReader("named", self.tool_parser, choice.function.name)
+        return ToolCallReader(choice, self.tool_parser)
+
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(req.model)
-        prompt_ids = self.chat_prompt_ids(req.messages)
+        prompt_ids = await self.prompt_ids(chat_request_prompt_ids, req)
         max_tokens = (
             req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
         )
@@ -266,11 +275,15 @@ class OpenAIServer:
         top_n = req.top_logprobs
 
         if req.stream:
+            readers = [self._tool_reader(req) for _ in range(req.n)]
 
             def delta(index: int, out: RequestOutput) -> dict:
                 lp = self._chat_logprobs(out.new_logprobs, top_n) if req.logprobs else None
+                reader = readers[index]
+                content = reader.feed(out.new_text, out.finished)
                 reason = out.finish_reason.value if out.finish_reason else None
-                content = {"content": out.new_text} if out.new_text else {}
+                if reader.called and reason == "stop":
+                    reason = "tool_calls"
                 return {"index": index, "delta": content, "logprobs": lp, "finish_reason": reason}
 
             header = {
@@ -296,18 +309,24 @@ class OpenAIServer:
             "object": "chat.completion",
             "created": created,
             "model": self.model_name,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.logprobs, top_n) if req.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
+            "choices": [self._chat_choice(c, req) for c in choices],
             "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in choices)),
         }
         return JSONResponse(body)
+
+    def _chat_choice(self, c: _Choice, req: ChatCompletionRequest) -> dict:
+        content, calls = self._tool_reader(req).read(c.text)
+        message: dict = {"role": "assistant", "content": content}
+        reason = c.finish_reason
+        if calls:
+            message["tool_calls"] = [tool_call_json(call) for call in calls]
+            reason = "tool_calls" if reason == "stop" else reason
+        return {
+            "index": c.index,
+            "message": message,
+            "logprobs": self._chat_logprobs(c.logprobs, req.top_logprobs) if req.logprobs else None,
+            "finish_reason": reason,
+        }
 
 
 def _sse_response(
@@ -336,7 +355,10 @@ def _sse_response(
                 if out.finished:
                     completion_tokens += out.num_output_tokens
                 if out.new_text or out.finished:
-                    yield chunk([delta(index, out)])
+                    choice = delta(index, out)
+                    held_back = choice.get("delta") == {} and not choice["finish_reason"]
+                    if not held_back or choice.get("logprobs"):  # a tool call still forming sends nothing
+                        yield chunk([choice])
             if include_usage:
                 yield chunk([], _usage(num_prompt_tokens, completion_tokens))
         except APIError as exc:
@@ -398,8 +420,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, NotImplementedFieldError):
-        return f"{cause.name}: {cause}", cause.name
+    if isinstance(cause, FieldError):
+        message = str(cause)
+        named = ":" in message and message.split(":", 1)[0].startswith(cause.name)  # names a path already
+        return (message if named else f"{cause.name}: {message}"), cause.name
     loc = tuple(p for p in first.get("loc", ()) if p != "body")
     path = _client_path(exc.body, loc)
     where = ".".join(path) or "body"
@@ -558,7 +582,7 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            tokens = server.chat_prompt_ids(req.messages, req.add_generation_prompt)
+            tokens = await server.prompt_ids(chat_prompt_ids, req.messages, req.add_generation_prompt)
         else:
             tokens = server.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens}

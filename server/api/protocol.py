@@ -1,8 +1,8 @@
 """OpenAI-compatible request bodies (and vLLM's extensions), validated by pydantic.
 
 A field outside its range fails validation, and the app answers 400 with a message naming the field.
-OpenAI fields this server does not implement yet (`tools`, `audio`, ...) are refused by name rather
-than silently ignored; other unknown fields are ignored, as OpenAI-compatible servers commonly do.
+OpenAI fields this server does not implement yet (`audio`, legacy `functions`, ...) are refused by name
+rather than silently ignored; other unknown fields are ignored, as OpenAI-compatible servers commonly do.
 
 Structured output comes in OpenAI's spelling (`response_format`: `json_object`, or `json_schema` with a
 `schema`) or vLLM's (`structured_outputs` with one of `json`, `regex`, `choice`, `grammar`,
@@ -24,12 +24,19 @@ from conveyor.server.engine.structured_output import StructuredOutputParams
 MAX_LOGPROBS = 20
 
 
-class NotImplementedFieldError(ValueError):
+class FieldError(ValueError):
+    """A rule across fields broken by the request; `name` is the field the answer names (`param`)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class NotImplementedFieldError(FieldError):
     """A request field this server does not implement, set to a value that asks for it."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"{name} is not supported by this server yet")
-        self.name = name
+        super().__init__(name, f"{name} is not supported by this server yet")
 
 
 class _Body(BaseModel):
@@ -108,9 +115,11 @@ def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{param}: the schema is not valid JSON ({exc.msg})") from None
+            raise FieldError(
+                param.split(".")[0], f"{param}: the schema is not valid JSON ({exc.msg})"
+            ) from None
     if not isinstance(schema, dict):
-        raise ValueError(f"{param}: a JSON schema is an object")
+        raise FieldError(param.split(".")[0], f"{param}: a JSON schema is an object")
     return json.dumps(schema)
 
 
@@ -181,9 +190,9 @@ class _GenerationRequest(_Body):
         if self.guided_grammar is not None:
             found.append(StructuredOutputParams("grammar", self.guided_grammar, "guided_grammar"))
         if len(found) > 1:
-            raise ValueError(
-                f"give one structured output constraint, not {len(found)} "
-                f"({', '.join(f.param for f in found)})"
+            raise FieldError(
+                found[1].param,
+                f"give one structured output constraint, not {len(found)} ({', '.join(f.param for f in found)})",
             )
         return found[0] if found else None
 
@@ -192,6 +201,8 @@ class _GenerationRequest(_Body):
     def _refuse_not_implemented(cls, body: Any) -> Any:
         if isinstance(body, dict):
             for name, accepted in NOT_IMPLEMENTED.items():
+                if name in cls.model_fields:  # implemented by this endpoint (tools: chat only)
+                    continue
                 if name in body and body[name] not in accepted:
                     raise NotImplementedFieldError(name)
         return body
@@ -247,6 +258,44 @@ class CompletionRequest(_GenerationRequest):
     echo: Literal[False] = False
 
 
+class FunctionDefinition(_Body):
+    """A tool's function (OpenAI): `parameters` is the JSON schema of its arguments."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """`tool_choice` naming one function: the reply is a call of it."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call in an assistant message fed back to the model."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ContentPart(_Body):
     type: Literal["text"]
     text: str
@@ -258,6 +307,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -275,6 +326,8 @@ class ChatMessage(_Body):
     def _tool_needs_its_call(self) -> ChatMessage:
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a `tool` message needs the `tool_call_id` it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an `assistant` message has `tool_calls`")
         return self
 
     def text(self) -> str:
@@ -291,6 +344,54 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice != "required" and not isinstance(choice, NamedToolChoice):
+            return self
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise FieldError("tool_choice", "a `required` or named tool_choice needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError(
+                "tool_choice", f"function {choice.function.name!r} is not one of the tools {names}"
+            )
+        if self._structured_output is not None:
+            raise FieldError(
+                "tool_choice",
+                f"a `required` or named tool_choice constrains the output itself; drop "
+                f"{self._structured_output.param}",
+            )
+        self._structured_output = StructuredOutputParams("json", json.dumps(self.tool_call_schema()), "tools")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: `auto` when tools are given, else `none`."""
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def tool_call_schema(self) -> dict[str, Any]:
+        """The JSON schema a constrained tool call's output follows (vLLM's): for a named function its
+        arguments; for `required` a list of `{"name", "parameters"}`, one of the tools each."""
+        tools = {t.function.name: t.function for t in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return tools[self.tool_choice.function.name].parameters
+        one_of = [
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [name]}, "parameters": fn.parameters},
+                "required": ["name", "parameters"],
+            }
+            for name, fn in tools.items()
+        ]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+        if not self.parallel_tool_calls:
+            array["maxItems"] = 1
+        return array
 
 
 class TokenizeRequest(_Body):

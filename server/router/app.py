@@ -30,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.server.api.errors import APIError
-from conveyor.server.api.prompts import chat_prompt_ids, completion_prompt_ids
-from conveyor.server.api.protocol import ChatMessage
+from conveyor.server.api.prompts import chat_request_prompt_ids, completion_prompt_ids
+from conveyor.server.api.protocol import ChatCompletionRequest
 from conveyor.server.router.config import RouterConfig
 from conveyor.server.router.endpoints import Endpoint, EndpointPool
 from conveyor.server.router.metrics import RouterMetrics
@@ -106,8 +106,7 @@ class Router:
         (the replica then answers the client's error itself)."""
         try:
             if path == "/v1/chat/completions":
-                messages = [ChatMessage.model_validate(m) for m in payload["messages"]]
-                return chat_prompt_ids(self.tokenizer, messages)
+                return chat_request_prompt_ids(self.tokenizer, ChatCompletionRequest.model_validate(payload))
             if path == "/v1/completions":
                 return completion_prompt_ids(self.tokenizer, payload["prompt"])[0]
         except Exception:  # a routing hint never fails a request: the replica judges the body

@@ -292,10 +292,10 @@ CHAT_ERRORS = [
     (
         {
             "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "functions": [{"name": "f"}],
         },
-        "tools",
-        "tools: tools is not supported by this server yet",
+        "functions",
+        "functions: functions is not supported by this server yet",
     ),
     (
         {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy", "format": "wav"}},
@@ -307,7 +307,7 @@ CHAT_ERRORS = [
 
 @pytest.mark.parametrize(("body", "param", "message"), CHAT_ERRORS)
 def test_what_is_not_supported_is_refused_by_name(server, body, param, message):
-    """Never silently ignored: an image part, a tool result without its call, tools and audio get a 400
+    """Never silently ignored: an image part, a tool result without its call, legacy functions and audio get a 400
     naming the field; their 'ask for nothing' values are accepted."""
     resp = httpx.post(server.base_url + "/v1/chat/completions", json=body)
     assert resp.status_code == 400

@@ -306,10 +306,10 @@ def test_constrained_and_free_rows_in_one_batch_do_not_affect_each_other(aclient
             "nosuch",
         ),
         ({"guided_regex": "[a-"}, "guided_regex", "guided_regex"),
-        ({"guided_json": "{not json"}, None, "guided_json: the schema is not valid JSON"),
+        ({"guided_json": "{not json"}, "guided_json", "guided_json: the schema is not valid JSON"),
         ({"guided_choice": []}, "guided_choice", "guided_choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
-        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, None, "not 2"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "not 2"),
     ],
 )
 def test_malformed_constraints_are_400s_naming_the_field(server, body, param, says) -> None:
