@@ -1,8 +1,12 @@
-"""OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, for the server and the router."""
+"""OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, for the server and the router,
+and the message of a request body pydantic refused."""
 
 from __future__ import annotations
 
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+from conveyor.server.api.protocol import FieldError
 
 
 class APIError(Exception):
@@ -31,3 +35,43 @@ class APIError(Exception):
             kind = "internal_server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _client_path(body: object, loc: tuple) -> list[str]:
+    """The parts of a pydantic error location that index into what the client sent: the names of
+    union branches (`str`, `list[int]`) pydantic adds are dropped."""
+    path, node = [], body
+    for part in loc:
+        in_dict = isinstance(node, dict) and isinstance(part, str) and part in node
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if in_dict or in_list:
+            node = node[part]
+        elif not path and isinstance(part, str):
+            node = None  # a missing field: name it
+        else:
+            continue
+        path.append(str(part))
+    return path
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) for a request body pydantic refused: the field path as the client sent it and
+    the rule broken; for a value that matches none of a field's accepted forms, all of them."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg')}", None
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        message = str(cause)
+        named = ":" in message and message.split(":", 1)[0].startswith(cause.name)  # names a path already
+        return (message if named else f"{cause.name}: {message}"), cause.name
+    loc = tuple(p for p in first.get("loc", ()) if p != "body")
+    path = _client_path(exc.body, loc)
+    where = ".".join(path) or "body"
+    if len(path) < len(loc) and len(errors) > 1:  # a union: each branch reported its own complaint
+        forms = dict.fromkeys(e.get("msg", "") for e in errors)
+        return f"{where}: matches none of the accepted forms ({'; '.join(forms)})", path[0] if path else None
+    return f"{where}: {first.get('msg', '').removeprefix('Value error, ')}", path[0] if path else None

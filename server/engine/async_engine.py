@@ -102,6 +102,31 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
 
+    # What the API reads of the engine (constant after start; the API never reaches into LLMEngine).
+
+    @property
+    def tokenizer(self):
+        """The model's transformers tokenizer (thread-safe for encoding and decoding)."""
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.served_model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (naming the field) for a request the engine cannot serve.
+        Thread-safe; may compile a structured-output grammar, so callers on an event loop run it in a
+        worker thread."""
+        self.engine.validate(prompt_token_ids, params)
+
     @property
     def num_waiting(self) -> int:
         """Requests queued for a slot: handed in but not yet taken by the loop, or waiting in the
@@ -122,13 +147,16 @@ class AsyncEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        validated: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until it finishes. Validation errors
-        (InvalidRequestError) are raised before anything is queued. Leaving the iterator early
+        (InvalidRequestError) are raised before anything is queued, unless the caller has run
+        `validate` itself (`validated=True`): each request is validated once. Leaving the iterator early
         (client gone, task cancelled) aborts the request."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
-        self.engine.validate(prompt_token_ids, params)
+        if not validated:
+            self.engine.validate(prompt_token_ids, params)
         new = _NewRequest(
             request_id,
             prompt_token_ids,
@@ -285,7 +313,12 @@ class AsyncEngine:
         for new in inbox:
             try:
                 self.engine.add_request(
-                    new.request_id, new.prompt_token_ids, new.params, new.arrival_time, new.priority
+                    new.request_id,
+                    new.prompt_token_ids,
+                    new.params,
+                    new.arrival_time,
+                    new.priority,
+                    validated=True,
                 )
             except Exception as exc:  # validated already; a duplicate id is the remaining case
                 new.loop.call_soon_threadsafe(new.queue.put_nowait, exc)

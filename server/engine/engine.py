@@ -267,9 +267,12 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        validated: bool = False,
     ) -> Request:
-        """Validate and queue a request. Raises InvalidRequestError."""
-        self.validate(prompt_token_ids, params)
+        """Validate (unless the caller has: `validated`) and queue a request. Raises
+        InvalidRequestError."""
+        if not validated:
+            self.validate(prompt_token_ids, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -77,7 +77,7 @@ class LiveServer:
 
     @property
     def llm_engine(self):
-        return self.app.state.server.engine.engine
+        return self.app.state.engine.engine
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ def hash_chain(token_ids: list[int], block_size: int) -> list[str]:
 
 
 def subscribers(server) -> int:
-    return server.app.state.server.engine.num_kv_event_subscribers
+    return server.app.state.engine.num_kv_event_subscribers
 
 
 def wait_for_subscribers(server, count: int) -> None:

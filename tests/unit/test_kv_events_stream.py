@@ -26,7 +26,9 @@ class PrefillOnlyEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         pass
 
-    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None, priority=0) -> None:
+    def add_request(
+        self, request_id, prompt_token_ids, params, arrival_time=None, priority=0, validated=False
+    ) -> None:
         self.new.append(Request(request_id, prompt_token_ids, params, eos_token_id=None))
 
     def abort_request(self, request_id: str) -> None:

@@ -1,0 +1,163 @@
+"""What both OpenAI endpoints share: model check, prompt building off the event loop, validation once
+per request, admission against the waiting-queue bound, and fan-out of a request's choices to the engine.
+
+The serving classes talk to the engine through `AsyncEngine` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from conveyor.server.api.errors import APIError
+from conveyor.server.api.prompts import PromptError
+from conveyor.server.config import ServerConfig
+from conveyor.server.engine.async_engine import AsyncEngine
+from conveyor.server.engine.engine import InvalidRequestError, RequestOutput
+from conveyor.server.engine.request import Logprob, SamplingParams
+
+
+@dataclass
+class Choice:
+    """Accumulated output of one choice (one engine request)."""
+
+    index: int
+    num_prompt_tokens: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class OpenAIServing:
+    """The base of the endpoint classes: HTTP requests -> engine requests, engine outputs -> choices."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.max_waiting_requests = config.max_waiting_requests
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    async def prompt_ids(self, build: Callable, *args):
+        """`build(tokenizer, *args)` (prompts.py) in a worker thread, so that tokenizing and chat
+        templating do not hold up the event loop; a PromptError is a 400 naming its field."""
+        try:
+            return await asyncio.to_thread(build, self.tokenizer, *args)
+        except PromptError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """400 for a request the engine would refuse; the one validation a request gets (`merged` tells
+        the engine it is done). Runs in a worker thread: compiling a
+        structured-output grammar may take a while, and the event loop keeps serving meanwhile."""
+
+        def check() -> None:
+            for prompt_ids in prompts:
+                self.engine.validate(prompt_ids, params)
+
+        try:
+            await asyncio.to_thread(check)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+
+    def admit(self, num_requests: int) -> None:
+        """429 (OpenAI's rate-limit body, `Retry-After`) when `num_requests` more would make the
+        waiting queue longer than --max-waiting-requests: overload sheds load instead of growing TTFT."""
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.num_waiting + num_requests > limit:
+            raise APIError(
+                429,
+                f"the server has {self.engine.num_waiting} requests waiting (--max-waiting-requests "
+                f"{limit}); retry later",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+
+    async def merged(
+        self, prompts: list[list[int]], params: SamplingParams, n: int, priority: int, arrival: float
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every (prompt, choice) as its own engine request; yield (choice index, output) as they
+        come. Closing this iterator aborts every request still running."""
+        base = uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, prompt_ids: list[int], choice_params: SamplingParams) -> None:
+            try:
+                async for out in self.engine.generate(
+                    f"{base}-{index}", prompt_ids, choice_params, arrival, priority, validated=True
+                ):
+                    await queue.put((index, out))
+            except Exception as exc:
+                await queue.put((index, exc))
+
+        tasks = []
+        for p, prompt_ids in enumerate(prompts):
+            for i in range(n):
+                choice_params = params
+                if params.seed is not None and i:
+                    # vLLM's rule: choice i of a seeded request uses seed + i, so choices differ and repeat.
+                    choice_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+                tasks.append(asyncio.create_task(pump(p * n + i, prompt_ids, choice_params)))
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise APIError(500, f"generation failed: {item}") from item
+                if item.finished:
+                    remaining -= 1
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def collect(
+        self, stream: AsyncIterator[tuple[int, RequestOutput]], raw: Request, num: int
+    ) -> list[Choice]:
+        """Gather a non-streamed response; abort everything if the client disconnects meanwhile."""
+        choices = [Choice(i) for i in range(num)]
+
+        async def gather() -> None:
+            async for index, out in stream:
+                c = choices[index]
+                c.text += out.new_text
+                c.token_ids += out.new_token_ids
+                c.logprobs += out.new_logprobs
+                if out.finished:
+                    c.finish_reason = out.finish_reason.value if out.finish_reason else None
+
+        task = asyncio.create_task(gather())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    await stream.aclose()
+                    raise APIError(499, "client disconnected")
+            task.result()
+        finally:
+            await stream.aclose()
+        return choices
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
