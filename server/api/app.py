@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -19,12 +20,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from conveyor.server.api.errors import APIError, validation_message
 from conveyor.server.api.metrics import EngineMetrics
 from conveyor.server.api.middleware import BearerAuth, BodySizeLimit
-from conveyor.server.api.prompts import chat_prompt_ids
+from conveyor.server.api.prompts import chat_prompt_ids, text_token_ids
 from conveyor.server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeChatRequest,
     TokenizeRequest,
+)
+from conveyor.server.api.responses import (
+    KV_EVENT_SCHEMA,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeResponse,
+    error_responses,
+    sse_content,
+    with_event_stream,
 )
 from conveyor.server.api.serving_chat import ChatServing
 from conveyor.server.api.serving_completions import CompletionServing
@@ -52,6 +65,7 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         engine.stop()
 
     app = FastAPI(title="conveyor", lifespan=lifespan)
+    app.openapi = lambda: _openapi(app, engine, config)
     completion_serving = CompletionServing(engine, config)
     chat_serving = ChatServing(engine, config)
     app.state.engine = engine
@@ -78,15 +92,42 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         logger.exception("unhandled error")
         return APIError(500, f"internal error: {type(exc).__name__}").response()
 
-    @app.get("/health")
+    generation = {
+        **error_responses(400, 404, 413, 429, 503),
+        **(error_responses(401) if config.api_key else {}),
+    }
+    plain = {**error_responses(400, 404, 413), **(error_responses(401) if config.api_key else {})}
+
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "ready (empty body)"},
+            503: {"description": "not ready (empty body)"},
+        },
+    )
     async def health() -> Response:
         return Response(status_code=200 if engine.is_running and not app.state.draining else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/kv_events")
+    @app.get(
+        "/v1/kv_events",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "a snapshot event, then one per change",
+                "content": {"text/event-stream": sse_content(KV_EVENT_SCHEMA)},
+            },
+            **error_responses(503),
+        },
+    )
     async def kv_events() -> StreamingResponse:
         """Server-sent events of the prefix cache's block hashes, for a router: a snapshot, then every
         change. A subscriber that falls behind gets `cleared` and the stream ends: reconnect."""
@@ -95,7 +136,7 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
 
         return StreamingResponse(kv_event_stream(engine), media_type="text/event-stream")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
         card = {
             "id": engine.model_name,
@@ -106,26 +147,24 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**with_event_stream(CompletionResponse), **generation})
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await completion_serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**with_event_stream(ChatCompletionResponse), **generation})
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat_serving.chat_completions(req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=plain)
     async def tokenize(req: TokenizeRequest) -> dict:
         chat_serving.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", "prompt")
-        if req.messages is not None:
+        if isinstance(req, TokenizeChatRequest):
             tokens = await chat_serving.prompt_ids(chat_prompt_ids, req.messages, req.add_generation_prompt)
         else:
-            tokens = engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            tokens = await chat_serving.prompt_ids(text_token_ids, req.prompt, req.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=plain)
     async def detokenize(req: DetokenizeRequest) -> dict:
         chat_serving.check_model(req.model)
         vocab = engine.vocab_size
@@ -135,3 +174,30 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     return app
+
+
+def _openapi(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> dict:
+    """The schema as the server behaves: FastAPI's 422 replaced by the 400 the server answers, and the
+    limits only known at start (vocabulary, context length) written into the input schemas."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title="conveyor", version="1", routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        _bound_token_ids(schema, engine.vocab_size)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _bound_token_ids(node: object, vocab_size: int) -> None:
+    """Every schema marked `x-token-id` gets the vocabulary as its maximum."""
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False):
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)

@@ -33,7 +33,9 @@ class APIError(Exception):
             kind = "invalid_request_error"
         else:
             kind = "internal_server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        # A lone surrogate from the client cannot be encoded as UTF-8: escape it rather than fail.
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        body = {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -46,8 +48,8 @@ def _client_path(body: object, loc: tuple) -> list[str]:
         in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
         if in_dict or in_list:
             node = node[part]
-        elif not path and isinstance(part, str):
-            node = None  # a missing field: name it
+        elif isinstance(part, str) and (not path or (isinstance(node, dict) and part == loc[-1])):
+            node = None  # a missing field (at the top or where the error points): name it
         else:
             continue
         path.append(str(part))

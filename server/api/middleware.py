@@ -62,7 +62,8 @@ class BearerAuth:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            given = b"Bearer " + key if scheme.lower() == b"bearer" else b""  # the scheme is case-insensitive
             if not hmac.compare_digest(given, self.expected):
                 refused = APIError(401, "Incorrect API key provided.", code="invalid_api_key").response()
                 await refused(scope, receive, send)

@@ -16,6 +16,16 @@ class PromptError(ValueError):
         self.param = param
 
 
+def _token_ids(tokenizer, text: str, param: str, **kwargs) -> list[int]:
+    """`text` tokenized; PromptError for text that is not valid Unicode (a lone UTF-16 surrogate, which
+    JSON can carry and UTF-8 cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PromptError(f"{param}: the text is not valid Unicode (a lone surrogate)", param) from None
+    return tokenizer(text, **kwargs)["input_ids"]
+
+
 def _tools_block(tools: list[ChatTool]) -> str:
     """The default description of `tools` for a chat template without tool support, in the format the
     `hermes` parser reads."""
@@ -102,7 +112,7 @@ def chat_prompt_ids(
         )
     except Exception as exc:  # the template's own error (e.g. roles out of order)
         raise PromptError(f"messages: the chat template rejected them: {exc}", "messages") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _token_ids(tokenizer, text, "messages", add_special_tokens=False)
 
 
 def chat_request_prompt_ids(tokenizer, req: ChatCompletionRequest) -> list[int]:
@@ -116,9 +126,14 @@ def completion_prompt_ids(tokenizer, prompt: str | list) -> list[list[int]]:
     """`/v1/completions`' `prompt` (text, token ids, or a list of either) as one token id list per
     prompt. Raises PromptError for an empty list."""
     if isinstance(prompt, str):
-        return [tokenizer(prompt)["input_ids"]]
+        return [_token_ids(tokenizer, prompt, "prompt")]
     if not prompt:
         raise PromptError("prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
-    return [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
+    return [_token_ids(tokenizer, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+
+
+def text_token_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """/tokenize's `prompt` as token ids."""
+    return _token_ids(tokenizer, text, "prompt", add_special_tokens=add_special_tokens)

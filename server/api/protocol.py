@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -22,6 +22,10 @@ from conveyor.server.engine.request import SamplingParams
 from conveyor.server.engine.structured_output import StructuredOutputParams
 
 MAX_LOGPROBS = 20
+
+# A token id; /openapi.json bounds it by the served model's vocabulary (`x-token-id`, see app.py).
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
+NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
 class FieldError(ValueError):
@@ -86,7 +90,9 @@ class ResponseFormat(_Body):
     @model_validator(mode="after")
     def _schema_iff_json_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type `json_schema` needs a `json_schema` object with a `name` and a `schema`")
+            raise ValueError(
+                "type `json_schema` needs a `json_schema` object (with a `name`, and a `schema` to follow)"
+            )
         if self.type != "json_schema" and self.json_schema is not None:
             raise ValueError(f"`json_schema` is only for type `json_schema`, not `{self.type}`")
         return self
@@ -138,7 +144,7 @@ class _GenerationRequest(_Body):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
@@ -214,7 +220,7 @@ class _GenerationRequest(_Body):
     @classmethod
     def _logit_bias(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"key {key!r} is not a token id (a non-negative integer as a string)")
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"the bias of token {key} must be a number, got {value!r}")
@@ -252,7 +258,12 @@ class _GenerationRequest(_Body):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt`: text, token ids, or a list of either (one choice set each)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
@@ -301,39 +312,70 @@ class ContentPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    """One message. `tool` messages need the `tool_call_id` they answer, as OpenAI requires."""
+def _text_parts_only(content: Any) -> Any:
+    """Checked before pydantic tries each branch of the content union, whose messages would name its
+    internals (`content.str: Input should be a valid string`) instead of the part's type."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported by this model (text only)")
+    return content
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[ToolCall] | None = None
+
+class _Message(_Body):
+    content: str | list[ContentPart]
     name: str | None = None
+    # Only an assistant message carries calls and only a tool message answers one (subclasses).
+    tool_calls: None = None
+    tool_call_id: None = None
+    _carries: ClassVar[frozenset[str]] = frozenset()
 
-    @field_validator("content", mode="before")
+    _content_parts = field_validator("content", mode="before")(_text_parts_only)
+
+    @field_validator("tool_calls", "tool_call_id", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        # Checked before pydantic tries each branch of the union, whose messages would name its
-        # internals (`content.str: Input should be a valid string`) instead of the part's type.
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"content part type {kind!r} is not supported by this model (text only)")
-        return content
-
-    @model_validator(mode="after")
-    def _tool_needs_its_call(self) -> ChatMessage:
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a `tool` message needs the `tool_call_id` it answers")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only an `assistant` message has `tool_calls`")
-        return self
+    def _only_where_it_belongs(cls, value: Any, info) -> Any:
+        if value is not None and info.field_name not in cls._carries:
+            owner = "an `assistant`" if info.field_name == "tool_calls" else "a `tool`"
+            raise ValueError(f"only {owner} message has `{info.field_name}`")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    """A previous reply: text, calls, or both."""
+
+    role: Literal["assistant"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    _carries: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
+
+
+class ToolMessage(_Message):
+    """A function's result, answering the call `tool_call_id` (OpenAI requires it)."""
+
+    role: Literal["tool"]
+    tool_call_id: str
+    _carries: ClassVar[frozenset[str]] = frozenset({"tool_call_id"})
+
+
+# One message of a conversation, told apart by `role` (OpenAI's schema).
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -394,16 +436,26 @@ class ChatCompletionRequest(_GenerationRequest):
         return array
 
 
-class TokenizeRequest(_Body):
-    """POST /tokenize: either `prompt` or chat `messages`."""
+class TokenizePromptRequest(_Body):
+    """POST /tokenize of a text."""
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Body):
+    """POST /tokenize of chat messages, through the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+
+
+# Either a text or messages (a body with both is read as the first that validates: a prompt).
+TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

@@ -78,6 +78,12 @@ class OpenAIServing:
         """429 (OpenAI's rate-limit body, `Retry-After`) when `num_requests` more would make the
         waiting queue longer than --max-waiting-requests: overload sheds load instead of growing TTFT."""
         limit = self.max_waiting_requests
+        if limit is not None and num_requests > limit:  # could never be admitted: not a retry-later
+            raise APIError(
+                400,
+                f"n: the request needs {num_requests} engine requests, more than --max-waiting-requests {limit}",
+                "n",
+            )
         if limit is not None and self.engine.num_waiting + num_requests > limit:
             raise APIError(
                 429,

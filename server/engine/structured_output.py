@@ -45,6 +45,46 @@ class InvalidGrammarError(ValueError):
     """A spec that does not compile (a malformed schema, regex or grammar); the message says why."""
 
 
+# JSON Schema keywords xgrammar does not enforce (it would ignore them silently): refused instead, as
+# vLLM refuses them for its xgrammar backend.
+_UNSUPPORTED_KEYWORDS = (
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains", "minContains",
+    "maxContains", "unevaluatedProperties", "unevaluatedItems", "dependencies",
+)  # fmt: skip
+
+
+def check_json_schema(schema: object, path: str = "") -> None:
+    """Raise InvalidGrammarError naming the first keyword of `schema` (a parsed JSON schema) that
+    generation could not enforce."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_json_schema(item, f"{path}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    where = path or "/"
+    for key in _UNSUPPORTED_KEYWORDS:
+        if key in schema:
+            raise InvalidGrammarError(f"JSON Schema keyword `{key}` (at {where}) is not supported")
+    if schema.get("uniqueItems") is True:
+        raise InvalidGrammarError(f"JSON Schema keyword `uniqueItems` (at {where}) is not supported")
+    if len(schema.get("allOf") or []) > 1:
+        raise InvalidGrammarError(f"`allOf` with more than one schema (at {where}) is not supported")
+    step = schema.get("multipleOf")
+    if isinstance(step, float) and not step.is_integer():
+        raise InvalidGrammarError(f"a fractional `multipleOf` (at {where}) is not supported")
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        raise InvalidGrammarError(
+            f"`minLength`/`maxLength` with `pattern` or `format` (at {where}) is not supported"
+        )
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise InvalidGrammarError(f"a `$ref` outside the schema ({ref!r} at {where}) is not supported")
+    for key, value in schema.items():
+        if key not in ("enum", "const", "default", "examples"):
+            check_json_schema(value, f"{path}/{key}")
+
+
 def _choice_grammar(spec: str) -> str:
     choices = json.loads(spec)
     if not choices:
@@ -82,6 +122,7 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         try:
             if params.kind == "json":
+                check_json_schema(json.loads(params.spec))
                 return compiler.compile_json_schema(params.spec, any_whitespace=False, strict_mode=True)
             if params.kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
@@ -93,8 +134,9 @@ class StructuredOutputManager:
         except InvalidGrammarError:
             raise
         except (RuntimeError, ValueError) as exc:
-            # xgrammar's messages start with a C++ source location: keep only the reason.
+            # xgrammar's messages start with a C++ source location and may name its own checks.
             reason = str(exc).strip().splitlines()[0].split(": ", 1)[-1] if str(exc).strip() else repr(exc)
+            reason = reason.removeprefix("Check failed: (error.empty()) is false: ")
             raise InvalidGrammarError(reason) from None
 
     def matcher(self, params: StructuredOutputParams) -> xgr.GrammarMatcher:

@@ -8,6 +8,7 @@ draws its `q` from its own generator, so its tokens do not depend on what else i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,11 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         for j, i in enumerate(want):
             k = min(requests[i].sampling_params.logprobs or 0, MAX_LOGPROBS)
             tid = int(token_ids[i])
-            top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))
+            # Tokens a grammar or min_tokens banned have logprob -inf: not alternatives, and not JSON.
+            top = [
+                (t, v)
+                for t, v in zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True)
+                if v > -math.inf
+            ]
             logprobs[i] = Logprob(tid, float(lp[j, tid]), top)
     return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)

@@ -287,7 +287,7 @@ CHAT_ERRORS = [
     (
         {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]},
         "messages",
-        "messages.1: a `tool` message needs the `tool_call_id` it answers",
+        "messages.1.tool_call_id: Field required",
     ),
     (
         {
@@ -398,3 +398,19 @@ def test_logit_bias_forces_and_bans_tokens_and_logprobs_see_it(server, client):
         model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, seed=5, logprobs=0, logit_bias=bias
     )
     assert set(sampled.choices[0].logprobs.tokens) <= {text_of([t]) for t in allowed}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages"),
+        ("/v1/completions", {"prompt": "hi \ud800"}, "prompt"),
+        ("/tokenize", {"prompt": "hi \ud800"}, "prompt"),
+    ],
+)
+def test_text_that_is_not_unicode_is_a_400(server, path, body, param):
+    """A lone UTF-16 surrogate (JSON can carry one, UTF-8 cannot) is refused by name, not a 500."""
+    raw = json.dumps({**body, "max_tokens": 2})  # json escapes the surrogate as \\ud800
+    resp = httpx.post(server.base_url + path, content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param

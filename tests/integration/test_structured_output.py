@@ -309,6 +309,16 @@ def test_constrained_and_free_rows_in_one_batch_do_not_affect_each_other(aclient
         ({"guided_json": "{not json"}, "guided_json", "guided_json: the schema is not valid JSON"),
         ({"guided_choice": []}, "guided_choice", "guided_choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+        # Keywords generation could not enforce are refused, never silently ignored.
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "`uniqueItems`"),
+        ({"guided_json": {"not": {"type": "string"}}}, "guided_json", "`not`"),
+        ({"guided_json": {"type": "number", "multipleOf": 0.5}}, "guided_json", "fractional `multipleOf`"),
+        ({"guided_json": {"$ref": "http://example.com/s.json"}}, "guided_json", "outside the schema"),
+        (
+            {"guided_json": {"type": "string", "pattern": "^a+$", "maxLength": 3}},
+            "guided_json",
+            "`maxLength`",
+        ),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "not 2"),
     ],
 )
@@ -382,3 +392,20 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(engine) -> No
     assert crowded == alone
     for text, schema in zip(crowded, schemas, strict=True):
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_logprobs_of_a_constrained_request_leave_out_banned_tokens(server) -> None:
+    """Tokens the grammar bans have logprob -inf: they are not listed (and the body stays JSON)."""
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "yes or no?"}], "logprobs": True,
+                                  "top_logprobs": 5}),
+        ("/v1/completions", {"prompt": "Answer:", "logprobs": 5}),
+    ):  # fmt: skip
+        reply = httpx.post(
+            server.base_url + path,
+            json={**body, "guided_choice": ["yes", "no"], "max_tokens": 5, "temperature": 0},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        text = json.dumps(reply.json())
+        assert "Infinity" not in text and "NaN" not in text
