@@ -295,11 +295,24 @@ def test_every_replica_saturated_is_a_429_with_retry_after(replicas, tmp_path) -
         wait_until(lambda: ready_replicas(r) == 1, "the replica to be ready")
         body = {"prompt": "A", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
-            for _ in range(max_num_seqs + 1):
+            for _ in range(max_num_seqs):
                 response = streams.enter_context(
                     http.stream("POST", f"{r.base_url}/v1/completions", json=body)
                 )
                 assert response.status_code == 200
+
+            # The next one waits on the replica for a slot; its answer starts only when one frees, so
+            # it is sent from a thread and counted by the router instead of waited for.
+            def wait_for_a_slot() -> None:
+                with contextlib.suppress(httpx.HTTPError):  # cut off when the router stops
+                    httpx.post(f"{r.base_url}/v1/completions", json=body, timeout=600)
+
+            waiter = threading.Thread(target=wait_for_a_slot, daemon=True)
+            waiter.start()
+            wait_until(
+                lambda: total(r.metrics(), "conveyor:router_in_flight") == max_num_seqs + 1,
+                "the router to send the request that waits",
+            )
             refused = http.post(f"{r.base_url}/v1/completions", json={"prompt": "B"})
         assert refused.status_code == 429
         assert refused.headers["retry-after"] == "1"
