@@ -38,11 +38,18 @@ def limited(tmp_path_factory) -> Iterator[ServeProcess]:
         stop_process(server.proc)
 
 
-def _waiting(server: ServeProcess) -> float:
-    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
-        if line.startswith("conveyor:num_requests_waiting{"):
+async def _gauge(http: httpx.AsyncClient, name: str) -> float:
+    for line in (await http.get("/metrics")).text.splitlines():
+        if line.startswith(f"conveyor:{name}{{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+async def _until(http: httpx.AsyncClient, name: str, value: float) -> None:
+    deadline = time.monotonic() + 120
+    while await _gauge(http, name) < value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        await asyncio.sleep(0.05)
 
 
 def test_a_full_waiting_queue_answers_429_and_loses_nothing(limited) -> None:
@@ -50,11 +57,12 @@ def test_a_full_waiting_queue_answers_429_and_loses_nothing(limited) -> None:
         client = openai.AsyncOpenAI(base_url=limited.base_url + "/v1", api_key="unused", max_retries=0)
         long = dict(model=MODEL, prompt="Once upon a time", max_tokens=120, temperature=0,
                     extra_body={"ignore_eos": True})  # fmt: skip
-        queued = [asyncio.create_task(client.completions.create(**long)) for _ in range(3)]
-        deadline = time.monotonic() + 60
-        while _waiting(limited) < 2:  # one runs, two wait
-            assert time.monotonic() < deadline, "the requests never queued"
-            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=limited.base_url) as http:
+            # One at a time, so that no request is shed while an earlier one still sits in the queue.
+            queued = [asyncio.create_task(client.completions.create(**long))]
+            await _until(http, "num_requests_running", 1)
+            queued += [asyncio.create_task(client.completions.create(**long)) for _ in range(2)]
+            await _until(http, "num_requests_waiting", 2)  # one runs, two wait
         with pytest.raises(openai.RateLimitError) as shed:
             await client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         done = await asyncio.gather(*queued)
