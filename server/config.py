@@ -32,7 +32,9 @@ class ModelConfig(_Config):
     )
     served_model_name: str | None = Field(None, description="name clients pass as `model`")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weight and activation dtype; auto = bfloat16 on CPU, the model's dtype on CUDA"
+        "auto",
+        description="weight and activation dtype; auto = on CPU bfloat16 where it is native (AVX512_BF16 "
+        "or AMX), else float32; on CUDA the model's half dtype",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="maximum prompt + output tokens per sequence; default: the model's"

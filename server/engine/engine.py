@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from conveyor.kernels import default_backend, load_backend
+from conveyor.kernels import default_backend, load_backend, onednn
 from conveyor.kernels.cpu import CPUKernelBuildError
 from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB
@@ -103,6 +103,25 @@ class EngineStats:
     recent_steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))
 
 
+def pick_dtype(name: str, device: torch.device, hf_config=None) -> tuple[torch.dtype, str]:
+    """The weight and activation dtype for `--dtype name`, with the reason (logged at start).
+
+    `auto` (DESIGN.md): on CUDA the model's configured half type (bfloat16 when it names none); on a
+    CPU bfloat16 only where oneDNN computes it natively (AVX512_BF16 or AMX), float32 elsewhere: on
+    AVX2 bfloat16 matmuls are emulated and about 2.5x slower than float32.
+    """
+    if name != "auto":
+        return _DTYPES[name], f"--dtype {name}"
+    if device.type == "cpu":
+        if onednn.cpu_bf16_native():
+            return torch.bfloat16, "auto: this CPU computes bfloat16 natively"
+        return torch.float32, "auto: this CPU has no native bfloat16 (AVX512_BF16 or AMX)"
+    configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if configured in (torch.float16, torch.bfloat16):
+        return configured, "auto: the model's configured dtype"
+    return torch.bfloat16, "auto: the model names no half dtype"
+
+
 class LLMEngine:
     """Loads the model, sizes the KV cache, and serves requests step by step.
 
@@ -121,7 +140,7 @@ class LLMEngine:
         source = loader.converted(loader.resolve_model(mc.model))
         self.served_model_name = mc.served_model_name or source.default_name
         hf_config = loader.load_config(source)
-        self.dtype = self._pick_dtype(mc.dtype, hf_config)
+        self.dtype, why = pick_dtype(mc.dtype, self.device, hf_config)
         backend = dc.attention_backend if dc.attention_backend != "auto" else default_backend(device_type)
         if backend == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -134,7 +153,7 @@ class LLMEngine:
             ops = load_backend(backend)
         except CPUKernelBuildError as exc:
             raise ValueError(f"--attention-backend cpu: {exc}; or use --attention-backend torch") from exc
-        logger.info("device %s, dtype %s, kernel backend %s", self.device, self.dtype, backend)
+        logger.info("device %s, dtype %s (%s), kernel backend %s", self.device, self.dtype, why, backend)
         self.tokenizer = loader.load_tokenizer(source, mc.load_format)
         self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops, mc.load_format)
         shape = self.model.shape
@@ -196,14 +215,6 @@ class LLMEngine:
         self.global_generator = torch.Generator().manual_seed(mc.seed)
         self.stats = EngineStats()
 
-    def _pick_dtype(self, name: str, hf_config) -> torch.dtype:
-        if name != "auto":
-            return _DTYPES[name]
-        if self.device.type == "cpu":
-            return torch.bfloat16
-        configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        return configured if configured in (torch.float16, torch.bfloat16) else torch.bfloat16
-
     def _kv_pool_bytes(self, ops) -> int:
         cc = self.config.cache
         if self.device.type != "cuda":
@@ -256,7 +267,7 @@ class LLMEngine:
         so = params.structured_output
         if so is not None:
             try:
-                self.structured_output.compile(so)  # cached: add_request's compile is a lookup
+                self.structured_output.check(so)  # compiled once: add_request's compile is a lookup
             except InvalidGrammarError as exc:
                 raise InvalidRequestError(f"{so.param}: {exc}", so.param) from None
 
