@@ -32,6 +32,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from conveyor.benchmarks import plots, report
 from conveyor.benchmarks.client import RequestSettings, first_model_id
 from conveyor.benchmarks.datasets import SampleRequest, sharegpt_like_dataset, write_jsonl
@@ -45,6 +47,7 @@ from conveyor.benchmarks.metrics import (
 )
 from conveyor.benchmarks.serve import run_benchmark, warmup
 from conveyor.benchmarks.server_process import ConveyorServer, ServerStartError, conveyor_executable
+from conveyor.server.engine.engine import pick_dtype
 
 CHUNK_SWEEP = (512, 1024, 4096)
 #: Parameters of the embedded SmolLM2-135M (tied embeddings counted once), used when transformers is skipped.
@@ -56,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m conveyor.benchmarks.run_all", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", default=None, help="results folder; default benchmarks/results/<UTC date>")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32"),
+        help="every system's dtype; auto = the server's choice (bfloat16 where the CPU computes it natively)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -108,8 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure_matmul_peak(dtype: str, threads: int, n: int = 2048, repeats: int = 5) -> dict[str, Any]:
     """Best-of-``repeats`` FLOP/s of an ``[n, n] @ [n, n]`` ``torch.mm`` in ``dtype`` on ``threads`` threads."""
-    import torch
-
     torch.set_num_threads(threads)
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     a = torch.randn(n, n, dtype=torch_dtype)
@@ -131,7 +137,6 @@ def measure_matmul_peak(dtype: str, threads: int, n: int = 2048, repeats: int = 
 
 def environment() -> dict[str, Any]:
     """Versions, CPU and load: enough to tell whether a later run is comparable."""
-    import torch
     import transformers
 
     try:
@@ -472,6 +477,10 @@ def rebuild_report(out: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the whole comparison; returns 0 when every system that ran completed all its requests."""
     args = build_parser().parse_args(argv)
+    if args.dtype == "auto":
+        dtype, why = pick_dtype("auto", torch.device("cpu"))
+        args.dtype = str(dtype).removeprefix("torch.")
+        print(f"[bench] dtype {args.dtype} ({why})")
     out = Path(args.out or f"benchmarks/results/{time.strftime('%Y-%m-%d', time.gmtime())}")
     if args.report_only:
         return rebuild_report(out)
