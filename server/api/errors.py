@@ -68,7 +68,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
         message = str(cause)
-        named = ":" in message and message.split(":", 1)[0].startswith(cause.name)  # names a path already
+        head = message.split(":", 1)[0] if ":" in message else ""
+        named = head == cause.name or head.startswith(cause.name + ".")  # names a path already
         return (message if named else f"{cause.name}: {message}"), cause.name
     loc = tuple(p for p in first.get("loc", ()) if p != "body")
     path = _client_path(exc.body, loc)

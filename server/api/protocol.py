@@ -23,8 +23,16 @@ from conveyor.server.engine.structured_output import StructuredOutputParams
 
 MAX_LOGPROBS = 20
 
-# A token id; /openapi.json bounds it by the served model's vocabulary (`x-token-id`, see app.py).
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
+
+def start_limit(name: str) -> dict[str, str]:
+    """Marks an integer field whose maximum is known only at start; /openapi.json writes it in (see
+    app.py): `token_id` (the vocabulary), `tokens` (max_model_len - 1), `engine_requests`
+    (--max-waiting-requests)."""
+    return {"x-limit": name}
+
+
+# A token id; /openapi.json bounds it by the served model's vocabulary.
+TokenId = Annotated[int, Field(ge=0, json_schema_extra=start_limit("token_id"))]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
@@ -142,11 +150,11 @@ class _GenerationRequest(_Body):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # torch generators take 64-bit seeds; choice i of n uses seed + i.
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=128, json_schema_extra=start_limit("engine_requests"))
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, json_schema_extra=start_limit("tokens"))
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -162,6 +170,8 @@ class _GenerationRequest(_Body):
 
     @model_validator(mode="after")
     def _one_structured_output(self) -> _GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options is only for `stream: true`")
         self._structured_output = self._parse_structured_output()
         return self
 
@@ -220,7 +230,7 @@ class _GenerationRequest(_Body):
     @classmethod
     def _logit_bias(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
         for key, value in (bias or {}).items():
-            if not (key.isascii() and key.isdigit()):
+            if not (key.isascii() and key.isdigit() and key == str(int(key))):
                 raise ValueError(f"key {key!r} is not a token id (a non-negative integer as a string)")
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"the bias of token {key} must be a number, got {value!r}")
@@ -264,7 +274,7 @@ class CompletionRequest(_GenerationRequest):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, json_schema_extra=start_limit("tokens"))
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
 
@@ -382,13 +392,19 @@ class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions. Without max_tokens the reply may use the rest of the context."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, json_schema_extra=start_limit("tokens"))
+    max_completion_tokens: int | None = Field(None, ge=1, json_schema_extra=start_limit("tokens"))
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs `logprobs: true`")
+        return self
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:

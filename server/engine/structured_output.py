@@ -139,6 +139,15 @@ class StructuredOutputManager:
             reason = reason.removeprefix("Check failed: (error.empty()) is false: ")
             raise InvalidGrammarError(reason) from None
 
+    def check(self, params: StructuredOutputParams) -> None:
+        """Compile `params` (cached for `matcher`) and make sure its grammar allows a first token.
+        Raises InvalidGrammarError when it does not compile or no token can start an output."""
+        matcher = xgr.GrammarMatcher(self.compile(params))
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bitmask.any():
+            raise InvalidGrammarError("no output of this model's tokens matches the constraint")
+
     def matcher(self, params: StructuredOutputParams) -> xgr.GrammarMatcher:
         """A fresh matcher at the start of `params`'s grammar."""
         return xgr.GrammarMatcher(self.compile(params))

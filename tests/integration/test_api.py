@@ -218,6 +218,8 @@ BAD_REQUESTS = [
     ({"prompt": "hello", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"prompt": "hello", "logit_bias": {"5": True}}, 400, "logit_bias"),
     ({"prompt": "hello", "logit_bias": {"5": "1"}}, 400, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"05": 1}}, 400, "logit_bias"),
+    ({"prompt": "hello", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ]
 
 
@@ -285,6 +287,11 @@ CHAT_ERRORS = [
         "messages.0.content: content part type 'image_url' is not supported by this model (text only)",
     ),
     (
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "top_logprobs",
+        "top_logprobs: top_logprobs needs `logprobs: true`",
+    ),
+    (
         {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]},
         "messages",
         "messages.1.tool_call_id: Field required",
@@ -307,7 +314,8 @@ CHAT_ERRORS = [
 
 @pytest.mark.parametrize(("body", "param", "message"), CHAT_ERRORS)
 def test_what_is_not_supported_is_refused_by_name(server, body, param, message):
-    """Never silently ignored: an image part, a tool result without its call, legacy functions and audio get a 400
+    """Never silently ignored: an image part, top_logprobs without logprobs, a tool result without its call, legacy
+    functions and audio get a 400
     naming the field; their 'ask for nothing' values are accepted."""
     resp = httpx.post(server.base_url + "/v1/chat/completions", json=body)
     assert resp.status_code == 400

@@ -306,6 +306,8 @@ def test_constrained_and_free_rows_in_one_batch_do_not_affect_each_other(aclient
             "nosuch",
         ),
         ({"guided_regex": "[a-"}, "guided_regex", "guided_regex"),
+        # Compiles, but no token can start an output: refused before generation, not a 200 "abort".
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "no output of this model's tokens matches"),
         ({"guided_json": "{not json"}, "guided_json", "guided_json: the schema is not valid JSON"),
         ({"guided_choice": []}, "guided_choice", "guided_choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
