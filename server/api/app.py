@@ -178,7 +178,8 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
 
 def _openapi(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> dict:
     """The schema as the server behaves: FastAPI's 422 replaced by the 400 the server answers, and the
-    limits only known at start (vocabulary, context length) written into the input schemas."""
+    limits only known at start (vocabulary, context length, --max-waiting-requests) written into the
+    input schemas."""
     if app.openapi_schema is None:
         schema = get_openapi(title="conveyor", version="1", routes=app.routes)
         for path in schema["paths"].values():
@@ -186,18 +187,25 @@ def _openapi(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> dict:
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
-        _bound_token_ids(schema, engine.vocab_size)
+        maxima = {"token_id": engine.vocab_size - 1, "tokens": engine.max_model_len - 1}
+        if config.max_waiting_requests is not None:
+            maxima["engine_requests"] = config.max_waiting_requests
+        _bound_limits(schema, maxima)
         app.openapi_schema = schema
     return app.openapi_schema
 
 
-def _bound_token_ids(node: object, vocab_size: int) -> None:
-    """Every schema marked `x-token-id` gets the vocabulary as its maximum."""
+def _bound_limits(node: object, maxima: dict[str, int]) -> None:
+    """Every schema marked `x-limit` (protocol.start_limit) gets its maximum from `maxima`, on the
+    schema itself or on the integer branch of an optional field; a limit not in `maxima` is left open."""
     if isinstance(node, dict):
-        if node.pop("x-token-id", False):
-            node["maximum"] = vocab_size - 1
+        name = node.pop("x-limit", None)
+        if name in maxima:
+            for target in (node, *node.get("anyOf", ())):
+                if target.get("type") == "integer":
+                    target["maximum"] = min(target.get("maximum", maxima[name]), maxima[name])
         for value in node.values():
-            _bound_token_ids(value, vocab_size)
+            _bound_limits(value, maxima)
     elif isinstance(node, list):
         for value in node:
-            _bound_token_ids(value, vocab_size)
+            _bound_limits(value, maxima)
