@@ -42,15 +42,15 @@ def _integer(schema: dict, components: dict, field: str) -> dict:
 def test_schemathesis_finds_the_schema_honest(tmp_path) -> None:
     # A short context and few choices per request keep every generated request quick to serve.
     server = start_serve(
-        tmp_path / "serve.log", "--max-model-len", "128", "--max-waiting-requests", "4"
+        tmp_path / "serve.log", "--max-model-len", "64", "--max-waiting-requests", "2"
     )  # fmt: skip
     try:
         schema = httpx.get(f"{server.base_url}/openapi.json").json()
         components = schema["components"]["schemas"]
         body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
         # Limits known only at start are in the schema, so generated requests stay inside them.
-        assert _integer(body["schema"], components, "max_tokens")["maximum"] == 127
-        assert _integer(body["schema"], components, "n")["maximum"] == 4
+        assert _integer(body["schema"], components, "max_tokens")["maximum"] == 63
+        assert _integer(body["schema"], components, "n")["maximum"] == 2
         st = Path(sys.executable).with_name("st")
         run = subprocess.run(
             [
