@@ -169,9 +169,13 @@ class _GenerationRequest(_Body):
     _structured_output: StructuredOutputParams | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _one_structured_output(self) -> _GenerationRequest:
+    def _stream_options_need_stream(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only for `stream: true`")
+        return self
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> _GenerationRequest:
         self._structured_output = self._parse_structured_output()
         return self
 
