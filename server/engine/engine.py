@@ -86,6 +86,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    # Set when the request ended as an error of its own (the API answers 400 with it).
+    error: str | None = None
 
 
 @dataclass
@@ -348,16 +350,26 @@ class LLMEngine:
         return outputs
 
     def _advance_grammar(self, request: Request) -> None:
-        """Feed the sampled token to the request's grammar; a grammar that has ended ends the request."""
+        """Feed the sampled token to the request's grammar; a grammar that has ended ends the request.
+        A grammar that allowed no token at all (a constraint no output can complete, such as the regex
+        `a[^\\s\\S]`) ends it with `request.error`, which the API answers as a 400."""
         if request.grammar is None:
             return
         if not request.grammar.accept_token(request.output_token_ids[-1]):
-            # The bitmask allowed only tokens the grammar accepts; refusing one is a bug, not user error.
-            logger.error(
-                "request %s: grammar refused sampled token %d",
-                request.request_id,
-                request.output_token_ids[-1],
-            )
+            if not self.structured_output.allows_a_token(request.grammar):
+                so = request.sampling_params.structured_output
+                done = self.tokenizer.decode(request.output_token_ids[:-1])
+                request.error = (
+                    f"{so.param}: no token of this model continues the constraint after {done!r}: "
+                    "no output matches it"
+                )
+            else:
+                # The bitmask allowed only tokens the grammar accepts; refusing one is a bug.
+                logger.error(
+                    "request %s: grammar refused sampled token %d",
+                    request.request_id,
+                    request.output_token_ids[-1],
+                )
             if not request.is_finished:
                 self.scheduler.finish_request(request, FinishReason.ABORT)
         elif request.grammar.is_terminated() and not request.is_finished:
@@ -405,4 +417,5 @@ class LLMEngine:
             request.num_prompt_tokens,
             len(request.output_token_ids),
             request.num_cached_tokens,
+            request.error,
         )

@@ -102,6 +102,8 @@ class Request:
     generator: torch.Generator | None = None
     # The request's position in its structured-output grammar (an xgrammar GrammarMatcher), if any.
     grammar: object | None = None
+    # Why a request ended as an error of its own (a constraint that dead-ended), for the API to report.
+    error: str | None = None
     # Prompt followed by output tokens, kept as one list so a step can slice it without copying both.
     all_token_ids: list[int] = field(default_factory=list)
 

@@ -85,6 +85,38 @@ def check_json_schema(schema: object, path: str = "") -> None:
             check_json_schema(value, f"{path}/{key}")
 
 
+def complete_required(schema: object, path: str = "") -> object:
+    """`schema` (a parsed JSON schema) with every `required` property an object schema does not list in
+    `properties` added there as any value: generation runs in strict mode (no property the schema does
+    not name), which would otherwise leave a required property out of every output. Raises
+    InvalidGrammarError when `additionalProperties: false` forbids such a property (no object matches)."""
+    if isinstance(schema, list):
+        return [complete_required(item, f"{path}/{i}") for i, item in enumerate(schema)]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        key: value
+        if key in ("enum", "const", "default", "examples")
+        else complete_required(value, f"{path}/{key}")
+        for key, value in schema.items()
+    }
+    required = schema.get("required")
+    if isinstance(required, list):
+        properties = dict(out.get("properties") or {})
+        missing = [name for name in required if isinstance(name, str) and name not in properties]
+        if missing and schema.get("additionalProperties") is False:
+            raise InvalidGrammarError(
+                f"required property {missing[0]!r} (at {path or '/'}) is not in `properties` and "
+                "`additionalProperties` is false: no object matches"
+            )
+        extra = schema.get("additionalProperties")
+        for name in missing:
+            properties[name] = extra if isinstance(extra, dict) else {}
+        if missing:
+            out["properties"] = properties
+    return out
+
+
 def _choice_grammar(spec: str) -> str:
     choices = json.loads(spec)
     if not choices:
@@ -122,8 +154,10 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         try:
             if params.kind == "json":
-                check_json_schema(json.loads(params.spec))
-                return compiler.compile_json_schema(params.spec, any_whitespace=False, strict_mode=True)
+                schema = json.loads(params.spec)
+                check_json_schema(schema)
+                spec = json.dumps(complete_required(schema))
+                return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
             if params.kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if params.kind == "regex":
@@ -142,11 +176,14 @@ class StructuredOutputManager:
     def check(self, params: StructuredOutputParams) -> None:
         """Compile `params` (cached for `matcher`) and make sure its grammar allows a first token.
         Raises InvalidGrammarError when it does not compile or no token can start an output."""
-        matcher = xgr.GrammarMatcher(self.compile(params))
+        if not self.allows_a_token(xgr.GrammarMatcher(self.compile(params))):
+            raise InvalidGrammarError("no output of this model's tokens matches the constraint")
+
+    def allows_a_token(self, matcher: xgr.GrammarMatcher) -> bool:
+        """Whether `matcher`'s grammar allows any token next (False: the constraint dead-ended)."""
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(bitmask)
-        if not bitmask.any():
-            raise InvalidGrammarError("no output of this model's tokens matches the constraint")
+        return bool(bitmask.any())
 
     def matcher(self, params: StructuredOutputParams) -> xgr.GrammarMatcher:
         """A fresh matcher at the start of `params`'s grammar."""

@@ -322,6 +322,14 @@ def test_constrained_and_free_rows_in_one_batch_do_not_affect_each_other(aclient
             "`maxLength`",
         ),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "not 2"),
+        # No object matches: a required property that additionalProperties false forbids.
+        (
+            {"guided_json": {"type": "object", "required": ["x"], "additionalProperties": False}},
+            "guided_json",
+            "required property 'x' (at /) is not in `properties`",
+        ),
+        # Starts, then dead-ends: found while generating, still a 400 (not a 200 "abort").
+        ({"guided_regex": "a[^\\s\\S]"}, "guided_regex", "no token of this model continues the constraint"),
     ],
 )
 def test_malformed_constraints_are_400s_naming_the_field(server, body, param, says) -> None:
@@ -335,6 +343,31 @@ def test_malformed_constraints_are_400s_naming_the_field(server, body, param, sa
     # The engine loop is unharmed and holds no blocks for the refused request.
     ok = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_a_constraint_that_dead_ends_while_streaming_sends_an_error_event(server) -> None:
+    body = {"prompt": "Say a", "max_tokens": 8, "guided_regex": "a[^\\s\\S]", "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as reply:
+        events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    assert reply.status_code == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["param"] == "guided_regex" and "no token of this model continues" in error["message"]
+
+
+def test_a_required_property_the_schema_does_not_list_is_generated(server) -> None:
+    """JSON Schema lets a required property be absent from `properties`; strict generation must still
+    write it (xgrammar alone would leave it out and answer `{}`)."""
+    schema = {"type": "object", "required": ["x"]}
+    reply = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Give x."}], "max_tokens": 24, "temperature": 0,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+    )  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    assert choice["message"]["content"].startswith('{"x": ')
 
 
 def test_constrained_outputs_survive_preemption_and_prefix_caching(engine) -> None:
