@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 
@@ -19,6 +19,7 @@ from conveyor.server.config import ServerConfig
 from conveyor.server.engine.async_engine import AsyncEngine
 from conveyor.server.engine.engine import InvalidRequestError, RequestOutput
 from conveyor.server.engine.request import Logprob, SamplingParams
+from conveyor.server.engine.structured_output import StructuredOutputParams
 
 
 @dataclass
@@ -60,19 +61,33 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    async def validate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        checks: list[StructuredOutputParams] = (),
+        names: dict[str, str] | None = None,
+    ) -> None:
         """400 for a request the engine would refuse; the one validation a request gets (`merged` tells
-        the engine it is done). Runs in a worker thread: compiling a
-        structured-output grammar may take a while, and the event loop keeps serving meanwhile."""
+        the engine it is done). `checks`: more constraints that must compile (a chat request's tool
+        schemas under `auto`); `names`: the request's own names of the engine's fields (chat:
+        `prompt` is `messages`). Runs in a worker thread: compiling a structured-output grammar may
+        take a while, and the event loop keeps serving meanwhile."""
 
         def check() -> None:
             for prompt_ids in prompts:
                 self.engine.validate(prompt_ids, params)
+            for constraint in checks:
+                self.engine.validate(prompts[0], replace(params, structured_output=constraint))
 
         try:
             await asyncio.to_thread(check)
         except InvalidRequestError as exc:
-            raise APIError(400, str(exc), exc.param) from None
+            param, message = exc.param, str(exc)
+            if names and param in names:
+                message = message.replace(f"in {param}", f"in {names[param]}")
+                param = names[param]
+            raise APIError(400, message, param) from None
 
     def admit(self, num_requests: int) -> None:
         """429 (OpenAI's rate-limit body, `Retry-After`) when `num_requests` more would make the
@@ -116,7 +131,7 @@ class OpenAIServing:
                 choice_params = params
                 if params.seed is not None and i:
                     # vLLM's rule: choice i of a seeded request uses seed + i, so choices differ and repeat.
-                    choice_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+                    choice_params = replace(params, seed=params.seed + i)
                 tasks.append(asyncio.create_task(pump(p * n + i, prompt_ids, choice_params)))
         remaining = len(tasks)
         try:
@@ -124,6 +139,9 @@ class OpenAIServing:
                 index, item = await queue.get()
                 if isinstance(item, Exception):
                     raise APIError(500, f"generation failed: {item}") from item
+                if item.error is not None:  # the request's own fault, found while generating
+                    so = params.structured_output
+                    raise APIError(400, item.error, so.param if so else None)
                 if item.finished:
                     remaining -= 1
                 yield index, item

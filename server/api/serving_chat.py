@@ -43,7 +43,8 @@ class ChatServing(OpenAIServing):
         choice = req.effective_tool_choice
         if isinstance(choice, NamedToolChoice):
             return ToolCallReader("named", self.tool_parser, choice.function.name)
-        return ToolCallReader(choice, self.tool_parser)
+        known = {t.function.name for t in req.tools or []}
+        return ToolCallReader(choice, self.tool_parser, known=known, parallel=req.parallel_tool_calls)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
@@ -53,7 +54,10 @@ class ChatServing(OpenAIServing):
             req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
         )
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        await self.validate([prompt_ids], params)
+        names = {"prompt": "messages"}
+        if req.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        await self.validate([prompt_ids], params, req.tool_schema_checks(), names)
         self.admit(req.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         stream = self.merged([prompt_ids], params, req.n, req.priority, arrival)

@@ -179,6 +179,11 @@ def test_tools_reach_the_prompt_unless_tool_choice_is_none(server) -> None:
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
          "messages", "only an `assistant`"),
+        # a tool schema is checked whatever tool_choice says
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]}, "tools",
+         "`not`"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "'get_weather' is given more than once"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "a named tool_choice is"),
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_400s_naming_the_field(server, body, param, says) -> None:
@@ -193,3 +198,38 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, body, param, says) 
 def test_completions_refuse_tools_by_name(server) -> None:
     reply = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "tools": TOOLS})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "max_tokens"),
+    [("required", 18), ({"type": "function", "function": {"name": "get_weather"}}, 5)],
+)
+def test_calls_cut_by_max_tokens_are_calls_streamed_alike(client, tool_choice, max_tokens) -> None:
+    """Cut short by max_tokens, a constrained reply is still tool calls (the last one's arguments cut,
+    finish_reason `length`, as OpenAI's), the same whole and streamed."""
+    kwargs = dict(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=max_tokens, temperature=0
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    assert whole.message.tool_calls and whole.message.tool_calls[0].function.name == "get_weather"
+    assert whole.message.tool_calls[-1].function.arguments.startswith("{")  # begun, then cut
+    streamed, content, reasons = _streamed(client, **kwargs)
+    assert content == "" and reasons[-1] == "length"
+    assert streamed == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_parallel_tool_calls_false_keeps_to_one_call(client) -> None:
+    """`required` with parallel_tool_calls false: exactly one call (the schema allows one item)."""
+    for seed in (1, 2, 3):
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        ).choices[0]
+        assert len(reply.message.tool_calls) == 1

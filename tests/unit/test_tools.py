@@ -65,7 +65,54 @@ def test_constrained_outputs_always_parse_into_calls() -> None:
     assert parse_constrained('{"city": "Paris"}', "get_weather") == [WEATHER]
     listed = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "now", "parameters": {}}]'
     assert parse_constrained(listed, None) == [WEATHER, ParsedToolCall("now", "{}")]
-    assert parse_constrained('{"city": "Pa', "get_weather") == []
+
+
+@pytest.mark.parametrize(
+    ("text", "named", "calls"),
+    [
+        # a named call cut short: its arguments as far as they got, as the stream sent them
+        ('{"city": "Pa', "get_weather", [ParsedToolCall("get_weather", '{"city": "Pa')]),
+        # `required` cut in its second call: the first whole, the second begun
+        (
+            '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "now", "parameters": {"tz',
+            None,
+            [WEATHER, ParsedToolCall("now", '{"tz')],
+        ),
+        # cut after the arguments, before the call's closing brace
+        ('[{"name": "get_weather", "parameters": {"city": "Paris"}', None, [WEATHER]),
+        # cut after the name: a call with no arguments yet
+        ('[{"name": "get_weather", "param', None, [ParsedToolCall("get_weather", "")]),
+        # cut inside the first function name: nothing to call
+        ('[{"name": "get_w', None, []),
+    ],
+)
+def test_constrained_outputs_cut_by_max_tokens_still_read_as_calls(text, named, calls) -> None:
+    got = parse_constrained(text, named)
+    assert [(c.name, c.arguments.replace(" ", "")) for c in got] == [
+        (c.name, c.arguments.replace(" ", "")) for c in calls
+    ]
+
+
+def test_auto_calls_of_unknown_functions_stay_content_and_parallel_false_keeps_one() -> None:
+    two = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    )
+    content, calls = HermesToolParser().parse(two, known={"get_weather"})
+    assert calls == [WEATHER] and content == '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    assert Llama3JSONToolParser().parse('{"name": "rm", "parameters": {}}', known={"now"}) == (
+        '{"name": "rm", "parameters": {}}',
+        [],
+    )
+    known = {"get_weather", "now"}
+    assert ToolCallReader("auto", HermesToolParser(), known=known).read(two)[1] == [
+        WEATHER,
+        ParsedToolCall("now", "{}"),
+    ]
+    assert ToolCallReader("auto", HermesToolParser(), known=known, parallel=False).read(two) == (
+        None,
+        [WEATHER],
+    )
 
 
 def _stream(reader: ToolCallReader, text: str, step: int) -> tuple[str, list[dict]]:
@@ -84,7 +131,7 @@ def test_streamed_auto_reply_reassembles_into_the_whole_read(step) -> None:
     text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     content, deltas = _stream(ToolCallReader("auto", HermesToolParser()), text, step)
     whole_content, whole_calls = ToolCallReader("auto", HermesToolParser()).read(text)
-    assert content.strip() == whole_content
+    assert content == whole_content == "Sure."  # the space before the call is not streamed either
     assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
         (c.name, c.arguments) for c in whole_calls
     ]
