@@ -25,7 +25,6 @@ from conveyor.server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    TokenizeChatRequest,
     TokenizeRequest,
 )
 from conveyor.server.api.responses import (
@@ -158,7 +157,7 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
     @app.post("/tokenize", response_model=TokenizeResponse, responses=plain)
     async def tokenize(req: TokenizeRequest) -> dict:
         chat_serving.check_model(req.model)
-        if isinstance(req, TokenizeChatRequest):
+        if req.messages is not None:
             tokens = await chat_serving.prompt_ids(chat_prompt_ids, req.messages, req.add_generation_prompt)
         else:
             tokens = await chat_serving.prompt_ids(text_token_ids, req.prompt, req.add_special_tokens)

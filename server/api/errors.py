@@ -74,6 +74,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = tuple(p for p in first.get("loc", ()) if p != "body")
     path = _client_path(exc.body, loc)
     where = ".".join(path) or "body"
+    if first.get("type") == "extra_forbidden":
+        return f"{where}: unknown field (not part of the API this server implements)", path[
+            0
+        ] if path else None
     if len(path) < len(loc) and len(errors) > 1:  # a union: each branch reported its own complaint
         forms = dict.fromkeys(e.get("msg", "") for e in errors)
         return f"{where}: matches none of the accepted forms ({'; '.join(forms)})", path[0] if path else None

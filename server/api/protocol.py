@@ -1,8 +1,10 @@
 """OpenAI-compatible request bodies (and vLLM's extensions), validated by pydantic.
 
 A field outside its range fails validation, and the app answers 400 with a message naming the field.
-OpenAI fields this server does not implement yet (`audio`, legacy `functions`, ...) are refused by name
-rather than silently ignored; other unknown fields are ignored, as OpenAI-compatible servers commonly do.
+Nothing is silently ignored: OpenAI's and vLLM's fields this server does not implement (`audio`,
+`store`, legacy `functions`, vLLM's `use_beam_search`, ...) are accepted only at the value that asks
+for nothing (`NOT_IMPLEMENTED`) and are otherwise a 400 naming the field; any other unknown field is a
+400 as well.
 
 Structured output comes in OpenAI's spelling (`response_format`: `json_object`, or `json_schema` with a
 `schema`) or vLLM's (`structured_outputs` with one of `json`, `regex`, `choice`, `grammar`,
@@ -47,23 +49,24 @@ class FieldError(ValueError):
 class NotImplementedFieldError(FieldError):
     """A request field this server does not implement, set to a value that asks for it."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name, f"{name} is not supported by this server yet")
+    def __init__(self, name: str, accepted: tuple[object, ...] = ()) -> None:
+        values = ", ".join(json.dumps(a) for a in accepted) or "absent"
+        super().__init__(name, f"{name}: not supported by this server yet (accepted only as {values})")
 
 
 class _Body(BaseModel):
     """Strict JSON types, as OpenAI's API: no `"7"` or `false` for a token id, no `1.0` for `n`, no NaN
-    or infinity for a float."""
+    or infinity for a float; no field the model does not declare."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-# Fields of OpenAI's (or vLLM's) request bodies not implemented here, with the value that asks for
-# nothing (accepted); any other value is a 400 naming the field.
+# Fields of OpenAI's (or vLLM's) request bodies not implemented here, with the values that ask for
+# nothing (accepted, then dropped); any other value is a 400 naming the field.
 NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -72,11 +75,45 @@ NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "parallel_tool_calls": (None, True, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
+    "echo": (None, False),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "prompt_cache_key": (None,),
     "guided_decoding_backend": (None, "xgrammar"),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
 }
+
+
+def _same(value: object, accepted: object) -> bool:
+    """Equal as JSON values: `1` is not `true`, `0` is not `false` (Python's `==` says they are)."""
+    if isinstance(value, bool) or isinstance(accepted, bool):
+        return value is accepted
+    return value == accepted and (type(value) is type(accepted) or isinstance(value, int | float))
+
+
+def _declare_not_implemented(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """/openapi.json lists each NOT_IMPLEMENTED field at the values the server accepts."""
+    properties = schema.setdefault("properties", {})
+    for name, accepted in NOT_IMPLEMENTED.items():
+        if name not in cls.model_fields:
+            properties[name] = {"enum": list(accepted), "description": "not implemented: only these values"}
 
 
 class JSONSchemaFormat(_Body):
@@ -140,6 +177,8 @@ def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
 class _GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
+    model_config = ConfigDict(json_schema_extra=_declare_not_implemented)
+
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -160,6 +199,7 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of `user`; neither changes generation
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsOptions | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -219,13 +259,14 @@ class _GenerationRequest(_Body):
     @model_validator(mode="before")
     @classmethod
     def _refuse_not_implemented(cls, body: Any) -> Any:
-        if isinstance(body, dict):
-            for name, accepted in NOT_IMPLEMENTED.items():
-                if name in cls.model_fields:  # implemented by this endpoint (tools: chat only)
-                    continue
-                if name in body and body[name] not in accepted:
-                    raise NotImplementedFieldError(name)
-        return body
+        if not isinstance(body, dict):
+            return body
+        for name, accepted in NOT_IMPLEMENTED.items():
+            if name in cls.model_fields:  # implemented by this endpoint (tools: chat only)
+                continue
+            if name in body and not any(_same(body[name], a) for a in accepted):
+                raise NotImplementedFieldError(name, accepted)
+        return {k: v for k, v in body.items() if k in cls.model_fields or k not in NOT_IMPLEMENTED}
 
     # OpenAI's shape: JSON object keys are token ids as strings, values in [-100, 100].
     logit_bias: dict[str, Any] | None = None
@@ -280,7 +321,6 @@ class CompletionRequest(_GenerationRequest):
     )
     max_tokens: int | None = Field(16, ge=1, json_schema_extra=start_limit("tokens"))
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
 
 
 class FunctionDefinition(_Body):
@@ -330,6 +370,8 @@ def _text_parts_only(content: Any) -> Any:
     """Checked before pydantic tries each branch of the content union, whose messages would name its
     internals (`content.str: Input should be a valid string`) instead of the part's type."""
     if isinstance(content, list):
+        if not content:
+            raise ValueError("an empty list of content parts; give at least one text part")
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
@@ -404,6 +446,43 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_form(cls, choice: Any) -> Any:
+        """Checked before pydantic tries each branch of the union, whose messages would name them."""
+        named = '{"type": "function", "function": {"name": ...}}'
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(function, dict) or "name" not in function:
+                raise ValueError(f"a named tool_choice is {named}")
+        elif choice is not None and choice not in ("none", "auto", "required"):
+            raise ValueError(f"must be `none`, `auto`, `required` or {named}, got {choice!r}")
+        return choice
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [t.function.name for t in tools or []]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"function names must be unique; {twice[0]!r} is given more than once")
+        return tools
+
+    @model_validator(mode="after")
+    def _tool_messages_answer_calls(self) -> ChatCompletionRequest:
+        """A `tool` message answers a call an earlier assistant message made (OpenAI's rule)."""
+        asked: set[str] = set()
+        for i, message in enumerate(self.messages):
+            if isinstance(message, AssistantMessage):
+                asked.update(call.id for call in message.tool_calls or [])
+            elif isinstance(message, ToolMessage) and message.tool_call_id not in asked:
+                raise FieldError(
+                    "messages",
+                    f"messages.{i}.tool_call_id: {message.tool_call_id!r} answers no tool call of an "
+                    "earlier assistant message",
+                )
+        return self
+
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
@@ -431,6 +510,14 @@ class ChatCompletionRequest(_GenerationRequest):
         self._structured_output = StructuredOutputParams("json", json.dumps(self.tool_call_schema()), "tools")
         return self
 
+    def tool_schema_checks(self) -> list[StructuredOutputParams]:
+        """Constraints that must compile for the tools' `parameters` schemas to be usable, when the
+        output is not constrained by them already (`auto`, `none`): a bad schema is a 400 whatever
+        `tool_choice` says, as OpenAI answers."""
+        if not self.tools or self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            return []
+        return [StructuredOutputParams("json", json.dumps(self.tool_call_schema()), "tools")]
+
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
         """OpenAI's default: `auto` when tools are given, else `none`."""
@@ -456,24 +543,21 @@ class ChatCompletionRequest(_GenerationRequest):
         return array
 
 
-class TokenizePromptRequest(_Body):
-    """POST /tokenize of a text."""
+class TokenizeRequest(_Body):
+    """POST /tokenize of a text (`prompt`, with `add_special_tokens`) or of chat messages through the
+    chat template (`messages`, with `add_generation_prompt`): exactly one of the two."""
 
     model: str | None = None
-    prompt: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
-
-
-class TokenizeChatRequest(_Body):
-    """POST /tokenize of chat messages, through the chat template."""
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
 
-
-# Either a text or messages (a body with both is read as the first that validates: a prompt).
-TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("prompt", "give either `prompt` (a text) or `messages`, not both or neither")
+        return self
 
 
 class DetokenizeRequest(_Body):

@@ -8,7 +8,8 @@ through only when the server's own message names one of these rules, so any othe
   integer, while the API takes JSON integers only (OpenAI's strict types);
 - rules across fields: prompt plus max_tokens within max_model_len, min_tokens <= max_tokens, one
   structured-output constraint, top_logprobs with logprobs, stream_options with stream, a named or
-  `required` tool_choice with tools, a batch of prompts times n within --max-waiting-requests;
+  `required` tool_choice with tools, a `tool` message answering a call of an earlier assistant
+  message, unique function names in `tools`, a batch of prompts times n within --max-waiting-requests;
 - a structured-output constraint that does not compile or that no output can match.
 
 One more kind is not schema-valid at all: schemathesis compares integers with the schema's bounds as
@@ -31,6 +32,7 @@ CROSS_FIELD_RULES = [
     (r"top_logprobs", r"top_logprobs needs `logprobs: true`"),
     (r"stream_options", r"stream_options is only for `stream: true`"),
     (r"tool_choice", r"(needs `tools`|is not one of the tools|constrains the output itself)"),
+    (r"messages", r"messages\.\d+\.tool_call_id: .* answers no tool call of an earlier assistant message"),
     (r"n", r"n: the request needs \d+ engine requests, more than --max-waiting-requests"),
 ]
 STRUCTURED_OUTPUT_PARAMS = {

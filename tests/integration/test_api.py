@@ -302,21 +302,72 @@ CHAT_ERRORS = [
             "functions": [{"name": "f"}],
         },
         "functions",
-        "functions: functions is not supported by this server yet",
+        "functions: not supported by this server yet (accepted only as null, [])",
     ),
     (
         {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy", "format": "wav"}},
         "audio",
-        "audio: audio is not supported by this server yet",
+        "audio: not supported by this server yet (accepted only as null)",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "store": True},
+        "store",
+        "store: not supported by this server yet (accepted only as null, false)",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "echo": True},
+        "echo",
+        "echo: not supported by this server yet (accepted only as null, false)",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1},
+        "frobnicate",
+        "frobnicate: unknown field (not part of the API this server implements)",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi", "refusal": "no"}]},
+        "messages",
+        "messages.0.refusal: unknown field (not part of the API this server implements)",
+    ),
+    (
+        {"messages": [{"role": "user", "content": []}]},
+        "messages",
+        "messages.0.content: an empty list of content parts; give at least one text part",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"},
+            ]
+        },
+        "messages",
+        "messages.1.tool_call_id: 'c1' answers no tool call of an earlier assistant message",
     ),
 ]
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"messages": [{"role": "user", "content": "hi " * 1100}]}, "messages", "maximum context length is 1024"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1020}, "max_completion_tokens",
+         "in max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1020}, "max_tokens", "in max_tokens"),
+    ],
+)  # fmt: skip
+def test_chat_context_errors_name_the_chat_fields(server, body, param, says):
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
 @pytest.mark.parametrize(("body", "param", "message"), CHAT_ERRORS)
 def test_what_is_not_supported_is_refused_by_name(server, body, param, message):
-    """Never silently ignored: an image part, top_logprobs without logprobs, a tool result without its call, legacy
-    functions and audio get a 400
-    naming the field; their 'ask for nothing' values are accepted."""
+    """Never silently ignored: an image part, top_logprobs without logprobs, a tool result without its
+    call (or answering none), legacy functions, audio, store, chat echo and unknown fields get a 400
+    naming the field; the 'ask for nothing' values of the known ones are accepted."""
     resp = httpx.post(server.base_url + "/v1/chat/completions", json=body)
     assert resp.status_code == 400
     error = resp.json()["error"]
@@ -330,6 +381,9 @@ def test_the_defaults_of_unsupported_fields_are_accepted(client):
         max_tokens=2,
         response_format={"type": "text"},
         tool_choice="none",
+        store=False,
+        metadata={},
+        extra_body={"skip_special_tokens": True, "use_beam_search": False},
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
 
@@ -345,6 +399,11 @@ def test_tokenize_and_detokenize(server):
     assert chat["count"] > tokens["count"]
     bad = httpx.post(server.base_url + "/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    for body in ({}, {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}):
+        both = httpx.post(server.base_url + "/tokenize", json=body)
+        assert both.status_code == 400 and "either `prompt`" in both.json()["error"]["message"]
+    extra = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hi", "max_tokens": 2}).json()["error"]
+    assert extra["param"] == "max_tokens" and "unknown field" in extra["message"]
 
 
 def test_ttft_histogram_agrees_with_the_client(server):
@@ -418,7 +477,7 @@ def test_logit_bias_forces_and_bans_tokens_and_logprobs_see_it(server, client):
 )
 def test_text_that_is_not_unicode_is_a_400(server, path, body, param):
     """A lone UTF-16 surrogate (JSON can carry one, UTF-8 cannot) is refused by name, not a 500."""
-    raw = json.dumps({**body, "max_tokens": 2})  # json escapes the surrogate as \\ud800
+    raw = json.dumps({**body, **({} if path == "/tokenize" else {"max_tokens": 2})})  # escapes the surrogate
     resp = httpx.post(server.base_url + path, content=raw, headers={"content-type": "application/json"})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
