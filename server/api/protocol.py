@@ -379,8 +379,11 @@ def _text_parts_only(content: Any) -> Any:
     return content
 
 
+Parts = Annotated[list[ContentPart], Field(min_length=1)]
+
+
 class _Message(_Body):
-    content: str | list[ContentPart]
+    content: str | Parts
     name: str | None = None
     # Only an assistant message carries calls and only a tool message answers one (subclasses).
     tool_calls: None = None
@@ -415,7 +418,7 @@ class AssistantMessage(_Message):
     """A previous reply: text, calls, or both."""
 
     role: Literal["assistant"]
-    content: str | list[ContentPart] | None = None
+    content: str | Parts | None = None
     tool_calls: list[ToolCall] | None = None
     _carries: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
 
@@ -543,13 +546,24 @@ class ChatCompletionRequest(_GenerationRequest):
         return array
 
 
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
 class TokenizeRequest(_Body):
     """POST /tokenize of a text (`prompt`, with `add_special_tokens`) or of chat messages through the
     chat template (`messages`, with `add_generation_prompt`): exactly one of the two."""
 
+    # Absent, not null, when not given; /openapi.json says "exactly one of the two" with `oneOf`.
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+    )
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    prompt: str = Field(None, validate_default=False, json_schema_extra=_no_default)
+    messages: list[ChatMessage] = Field(
+        None, min_length=1, validate_default=False, json_schema_extra=_no_default
+    )
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
