@@ -75,15 +75,15 @@ class OpenAIServing:
         take a while, and the event loop keeps serving meanwhile."""
 
         def check() -> None:
-            for prompt_ids in prompts:
-                self.engine.validate(prompt_ids, params)
             for constraint in checks:
                 self.engine.validate(prompts[0], replace(params, structured_output=constraint))
+            for prompt_ids in prompts:
+                self.engine.validate(prompt_ids, params)
 
         try:
             await asyncio.to_thread(check)
         except InvalidRequestError as exc:
-            param, message = exc.param, str(exc)
+            param, message = exc.param.split(".")[0], str(exc)  # `param`: the top-level field
             if names and param in names:
                 message = message.replace(f"in {param}", f"in {names[param]}")
                 param = names[param]
@@ -99,7 +99,7 @@ class OpenAIServing:
                 f"n: the request needs {num_requests} engine requests, more than --max-waiting-requests {limit}",
                 "n",
             )
-        if limit is not None and self.engine.num_waiting + num_requests > limit:
+        if limit is not None and not self.engine.reserve(num_requests, limit):
             raise APIError(
                 429,
                 f"the server has {self.engine.num_waiting} requests waiting (--max-waiting-requests "
@@ -108,18 +108,29 @@ class OpenAIServing:
                 headers={"Retry-After": "1"},
             )
 
-    async def merged(
+    def merged(
         self, prompts: list[list[int]], params: SamplingParams, n: int, priority: int, arrival: float
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every (prompt, choice) as its own engine request; yield (choice index, output) as they
-        come. Closing this iterator aborts every request still running."""
+        """Run every (prompt, choice) as its own engine request, queued at once (call it right after
+        `admit`, whose reservations they take up); the iterator yields (choice index, output) as they
+        come. Closing it aborts every request still running."""
         base = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
+        reserved = self.max_waiting_requests is not None
+
+        unstarted: set[int] = set()  # tasks cancelled before they start hold their reservation
 
         async def pump(index: int, prompt_ids: list[int], choice_params: SamplingParams) -> None:
+            unstarted.discard(index)
             try:
                 async for out in self.engine.generate(
-                    f"{base}-{index}", prompt_ids, choice_params, arrival, priority, validated=True
+                    f"{base}-{index}",
+                    prompt_ids,
+                    choice_params,
+                    arrival,
+                    priority,
+                    validated=True,
+                    reserved=reserved,
                 ):
                     await queue.put((index, out))
             except Exception as exc:
@@ -132,7 +143,13 @@ class OpenAIServing:
                 if params.seed is not None and i:
                     # vLLM's rule: choice i of a seeded request uses seed + i, so choices differ and repeat.
                     choice_params = replace(params, seed=params.seed + i)
+                unstarted.add(p * n + i)
                 tasks.append(asyncio.create_task(pump(p * n + i, prompt_ids, choice_params)))
+        return self._outputs(queue, tasks, params, unstarted if reserved else set())
+
+    async def _outputs(
+        self, queue: asyncio.Queue, tasks: list[asyncio.Task], params: SamplingParams, unstarted: set[int]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         remaining = len(tasks)
         try:
             while remaining:
@@ -148,6 +165,9 @@ class OpenAIServing:
         finally:
             for task in tasks:
                 task.cancel()
+            if unstarted:  # they will never run now
+                self.engine.release(len(unstarted))
+                unstarted.clear()
 
     async def collect(
         self, stream: AsyncIterator[tuple[int, RequestOutput]], raw: Request, num: int

@@ -77,6 +77,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._inbox: list[_NewRequest] = []
+        self._reserved = 0  # admitted (`reserve`) but not yet in the inbox
         self._aborts: list[str] = []
         self._streams: dict[str, _NewRequest] = {}
         self._kv_subscribes: list[_KVEventSubscriber] = []
@@ -129,9 +130,25 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued for a slot: handed in but not yet taken by the loop, or waiting in the
-        scheduler (read without the lock: a momentary count)."""
-        return len(self._inbox) + len(self.engine.scheduler.waiting)
+        """Requests queued for a slot: admitted (`reserve`), handed in but not yet taken by the loop,
+        or waiting in the scheduler (a momentary count)."""
+        return self._reserved + len(self._inbox) + len(self.engine.scheduler.waiting)
+
+    def reserve(self, num_requests: int, limit: int) -> bool:
+        """Admit `num_requests` more waiting requests if the waiting queue then holds at most `limit`;
+        False (nothing admitted) otherwise. Atomic, so requests arriving at once cannot all pass the
+        check before any is queued; each admitted request must then be handed to `generate(...,
+        reserved=True)`, which turns its reservation into a queued request."""
+        with self._lock:
+            if self.num_waiting + num_requests > limit:
+                return False
+            self._reserved += num_requests
+            return True
+
+    def release(self, num_requests: int) -> None:
+        """Give back reservations of admitted requests that will never reach `generate`."""
+        with self._lock:
+            self._reserved -= num_requests
 
     @property
     def num_kv_event_subscribers(self) -> int:
@@ -148,15 +165,23 @@ class AsyncEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         validated: bool = False,
+        reserved: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until it finishes. Validation errors
         (InvalidRequestError) are raised before anything is queued, unless the caller has run
-        `validate` itself (`validated=True`): each request is validated once. Leaving the iterator early
-        (client gone, task cancelled) aborts the request."""
-        if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
-        if not validated:
-            self.engine.validate(prompt_token_ids, params)
+        `validate` itself (`validated=True`): each request is validated once. `reserved`: the request
+        was admitted with `reserve`. Leaving the iterator early (client gone, task cancelled) aborts
+        the request."""
+        try:
+            if not self.is_running:
+                raise EngineDeadError("the engine loop is not running")
+            if not validated:
+                self.engine.validate(prompt_token_ids, params)
+        except BaseException:
+            if reserved:
+                with self._lock:
+                    self._reserved -= 1
+            raise
         new = _NewRequest(
             request_id,
             prompt_token_ids,
@@ -168,6 +193,8 @@ class AsyncEngine:
         )
         with self._lock:
             self._inbox.append(new)
+            if reserved:
+                self._reserved -= 1
         self._wakeup.set()
         finished = False
         try:

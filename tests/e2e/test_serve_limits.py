@@ -77,6 +77,30 @@ def test_a_full_waiting_queue_answers_429_and_loses_nothing(limited) -> None:
     assert ok.status_code == 200
 
 
+def test_requests_arriving_at_once_never_overfill_the_queue(limited) -> None:
+    """Admission is atomic: eight requests sent together while one runs can fill the two waiting
+    places and no more (the rest get 429), whatever the order their checks run in."""
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=limited.base_url + "/v1", api_key="unused", max_retries=0)
+        long = dict(model=MODEL, prompt="Once upon a time", max_tokens=60, temperature=0,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+        async with httpx.AsyncClient(base_url=limited.base_url) as http:
+            running = asyncio.create_task(client.completions.create(**{**long, "max_tokens": 200}))
+            await _until(http, "num_requests_running", 1)
+            burst = await asyncio.gather(
+                *(client.completions.create(**long) for _ in range(8)), return_exceptions=True
+            )
+            await running
+        return burst
+
+    burst = asyncio.run(main())
+    served = [b for b in burst if not isinstance(b, BaseException)]
+    shed = [b for b in burst if isinstance(b, openai.RateLimitError)]
+    assert len(served) <= 2 and len(served) + len(shed) == 8, burst
+    assert all(s.usage.completion_tokens == 60 for s in served)
+
+
 def test_an_oversized_body_is_413_declared_or_chunked(limited) -> None:
     big = {"prompt": "x" * 5000, "max_tokens": 1}
     declared = httpx.post(limited.base_url + "/v1/completions", json=big)
