@@ -8,6 +8,7 @@ trace or stops the engine loop. A client that disconnects aborts its requests.
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.server.api.errors import APIError, validation_message
 from conveyor.server.api.metrics import EngineMetrics
-from conveyor.server.api.middleware import BearerAuth, BodySizeLimit
+from conveyor.server.api.middleware import OPEN_PATHS, BearerAuth, BodySizeLimit
 from conveyor.server.api.prompts import chat_prompt_ids, text_token_ids
 from conveyor.server.api.protocol import (
     ChatCompletionRequest,
@@ -29,13 +30,16 @@ from conveyor.server.api.protocol import (
 )
 from conveyor.server.api.responses import (
     KV_EVENT_SCHEMA,
+    ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    ModelCard,
     ModelList,
     TokenizeResponse,
     error_responses,
     sse_content,
+    stream_schemas,
     with_event_stream,
 )
 from conveyor.server.api.serving_chat import ChatServing
@@ -91,11 +95,9 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         logger.exception("unhandled error")
         return APIError(500, f"internal error: {type(exc).__name__}").response()
 
-    generation = {
-        **error_responses(400, 404, 413, 429, 503),
-        **(error_responses(401) if config.api_key else {}),
-    }
-    plain = {**error_responses(400, 404, 413), **(error_responses(401) if config.api_key else {})}
+    auth = error_responses(401) if config.api_key else {}
+    generation = {**error_responses(400, 404, 413, 429, 503), **auth}
+    plain = {**error_responses(400, 404, 413), **auth}
 
     @app.get(
         "/health",
@@ -125,6 +127,7 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
                 "content": {"text/event-stream": sse_content(KV_EVENT_SCHEMA)},
             },
             **error_responses(503),
+            **auth,
         },
     )
     async def kv_events() -> StreamingResponse:
@@ -135,22 +138,34 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
 
         return StreamingResponse(kv_event_stream(engine), media_type="text/event-stream")
 
-    @app.get("/v1/models", response_model=ModelList)
+    card = {
+        "id": engine.model_name,
+        "object": "model",
+        "created": int(time.time()),  # when this server started serving it
+        "owned_by": "conveyor",
+        "max_model_len": engine.max_model_len,
+    }
+
+    @app.get("/v1/models", response_model=ModelList, responses=auth)
     async def models() -> dict:
-        card = {
-            "id": engine.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "conveyor",
-            "max_model_len": engine.max_model_len,
-        }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", responses={**with_event_stream(CompletionResponse), **generation})
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={**error_responses(404), **auth})
+    async def model(model: str) -> dict:
+        chat_serving.check_model(model)
+        return card
+
+    @app.post(
+        "/v1/completions",
+        responses={**with_event_stream(CompletionResponse, CompletionResponse), **generation},
+    )
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await completion_serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions", responses={**with_event_stream(ChatCompletionResponse), **generation})
+    @app.post(
+        "/v1/chat/completions",
+        responses={**with_event_stream(ChatCompletionResponse, ChatCompletionChunk), **generation},
+    )
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat_serving.chat_completions(req, raw)
 
@@ -186,6 +201,14 @@ def _openapi(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> dict:
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
+        for name, component in stream_schemas().items():
+            schema["components"]["schemas"].setdefault(name, component)
+        if config.api_key is not None:  # every path but OPEN_PATHS needs the key
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for route, path in schema["paths"].items():
+                for operation in path.values():
+                    if route not in OPEN_PATHS:
+                        operation["security"] = [{"bearer": []}]
         maxima = {"token_id": engine.vocab_size - 1, "tokens": engine.max_model_len - 1}
         if config.max_waiting_requests is not None:
             maxima["engine_requests"] = config.max_waiting_requests

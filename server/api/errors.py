@@ -74,6 +74,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = tuple(p for p in first.get("loc", ()) if p != "body")
     path = _client_path(exc.body, loc)
     where = ".".join(path) or "body"
+    if not path and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return "the request body must be a JSON object", None
     if first.get("type") == "extra_forbidden":
         return f"{where}: unknown field (not part of the API this server implements)", path[
             0

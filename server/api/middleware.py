@@ -7,7 +7,7 @@ import hmac
 from conveyor.server.api.errors import APIError
 
 # What a client without the key may still reach (probes and scrapers carry no OpenAI key).
-_OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics"}
 
 
 class BodySizeLimit:
@@ -61,7 +61,7 @@ class BearerAuth:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             given = b"Bearer " + key if scheme.lower() == b"bearer" else b""  # the scheme is case-insensitive
             if not hmac.compare_digest(given, self.expected):

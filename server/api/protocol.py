@@ -14,8 +14,10 @@ one of them per request.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import typing
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -108,12 +110,30 @@ def _same(value: object, accepted: object) -> bool:
     return value == accepted and (type(value) is type(accepted) or isinstance(value, int | float))
 
 
-def _declare_not_implemented(schema: dict[str, Any], cls: type[BaseModel]) -> None:
-    """/openapi.json lists each NOT_IMPLEMENTED field at the values the server accepts."""
+@functools.cache
+def _null_means_default(cls: type[BaseModel]) -> list[str]:
+    """The optional fields whose type has no null: OpenAI's API takes `null` for them as "the
+    default" (clients and SDKs send it), so the request does too."""
+    return [
+        name
+        for name, field in cls.model_fields.items()
+        if not field.is_required()
+        and field.default is not None
+        and type(None) not in typing.get_args(field.annotation)
+    ]
+
+
+def _request_schema(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """/openapi.json as the server reads a request: each NOT_IMPLEMENTED field at the values it
+    accepts, and `null` allowed where it means the default."""
     properties = schema.setdefault("properties", {})
     for name, accepted in NOT_IMPLEMENTED.items():
         if name not in cls.model_fields:
             properties[name] = {"enum": list(accepted), "description": "not implemented: only these values"}
+    for name in _null_means_default(cls):
+        prop = properties[name]
+        outer = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        properties[name] = {"anyOf": [prop, {"type": "null"}], **outer}
 
 
 class JSONSchemaFormat(_Body):
@@ -177,7 +197,7 @@ def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
 class _GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(json_schema_extra=_declare_not_implemented)
+    model_config = ConfigDict(json_schema_extra=_request_schema)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -190,7 +210,7 @@ class _GenerationRequest(_Body):
     # torch generators take 64-bit seeds; choice i of n uses seed + i.
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=128, json_schema_extra=start_limit("engine_requests"))
-    stop: str | list[str] | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, json_schema_extra=start_limit("tokens"))
@@ -261,6 +281,8 @@ class _GenerationRequest(_Body):
     def _refuse_not_implemented(cls, body: Any) -> Any:
         if not isinstance(body, dict):
             return body
+        defaults = set(_null_means_default(cls))
+        body = {k: v for k, v in body.items() if not (v is None and k in defaults)}
         for name, accepted in NOT_IMPLEMENTED.items():
             if name in cls.model_fields:  # implemented by this endpoint (tools: chat only)
                 continue
@@ -269,7 +291,13 @@ class _GenerationRequest(_Body):
         return {k: v for k, v in body.items() if k in cls.model_fields or k not in NOT_IMPLEMENTED}
 
     # OpenAI's shape: JSON object keys are token ids as strings, values in [-100, 100].
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = Field(
+        None,
+        json_schema_extra={
+            "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -331,6 +359,13 @@ class FunctionDefinition(_Body):
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, parameters: dict[str, Any]) -> dict[str, Any]:
+        if parameters.get("type", "object") != "object":
+            raise ValueError("must be a JSON Schema of type `object` (a call's arguments are a JSON object)")
+        return parameters
+
 
 class ChatTool(_Body):
     type: Literal["function"]
@@ -372,10 +407,12 @@ def _text_parts_only(content: Any) -> Any:
     if isinstance(content, list):
         if not content:
             raise ValueError("an empty list of content parts; give at least one text part")
-        for part in content:
+        for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
                 raise ValueError(f"content part type {kind!r} is not supported by this model (text only)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} of type 'text' needs `text`, a string")
     return content
 
 
@@ -456,6 +493,11 @@ class ChatCompletionRequest(_GenerationRequest):
         named = '{"type": "function", "function": {"name": ...}}'
         if isinstance(choice, dict):
             function = choice.get("function")
+            if choice.get("type") not in (None, "function"):
+                raise ValueError(
+                    f"tool_choice type {choice['type']!r} is not supported by this server yet; name a "
+                    f"function as {named}"
+                )
             if choice.get("type") != "function" or not isinstance(function, dict) or "name" not in function:
                 raise ValueError(f"a named tool_choice is {named}")
         elif choice is not None and choice not in ("none", "auto", "required"):
@@ -487,6 +529,16 @@ class ChatCompletionRequest(_GenerationRequest):
         return self
 
     @model_validator(mode="after")
+    def _one_max_tokens(self) -> ChatCompletionRequest:
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise FieldError(
+                "max_completion_tokens",
+                "max_completion_tokens and max_tokens (its older name) differ; give one of them",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs `logprobs: true`")
@@ -514,12 +566,15 @@ class ChatCompletionRequest(_GenerationRequest):
         return self
 
     def tool_schema_checks(self) -> list[StructuredOutputParams]:
-        """Constraints that must compile for the tools' `parameters` schemas to be usable, when the
-        output is not constrained by them already (`auto`, `none`): a bad schema is a 400 whatever
-        `tool_choice` says, as OpenAI answers."""
-        if not self.tools or self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            return []
-        return [StructuredOutputParams("json", json.dumps(self.tool_call_schema()), "tools")]
+        """One constraint per tool, named by its path (`tools.0.function.parameters`), that must
+        compile for its `parameters` schema to be usable: a bad schema is a 400 naming the tool
+        whatever `tool_choice` says, as OpenAI answers."""
+        return [
+            StructuredOutputParams(
+                "json", json.dumps(t.function.parameters), f"tools.{i}.function.parameters"
+            )
+            for i, t in enumerate(self.tools or [])
+        ]
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:

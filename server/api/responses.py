@@ -120,6 +120,45 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of call `index`: its id, type and name come once, its arguments in pieces."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion; the last one, with
+    `stream_options.include_usage`, has no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 
@@ -140,18 +179,32 @@ _ERROR_WHY = {
 }
 
 
-def with_event_stream(model: type[BaseModel]) -> dict[int | str, dict]:
-    """A 200 that is `model` as JSON, or server-sent events when the request asks for `stream`."""
+def with_event_stream(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict]:
+    """A 200 that is `model` as JSON, or server-sent events of `chunk` when the request asks for
+    `stream` (an error mid-stream is an event of OpenAI's error body; `[DONE]` ends the stream). The
+    chunk's schema is added to the components by `stream_schemas`."""
+    events = {"anyOf": [_component(chunk), _component(ErrorResponse)]}
     return {
         200: {
             "model": model,
             "description": "JSON; with `stream: true`, server-sent events ending with `data: [DONE]`",
-            # Each event's data: a chunk (JSON), or `[DONE]` last.
-            "content": {
-                "text/event-stream": {"schema": {"anyOf": [{"type": "object"}, {"const": "[DONE]"}]}}
-            },
+            "content": {"text/event-stream": sse_content(events, done=True)},
         }
     }
+
+
+def _component(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def stream_schemas() -> dict[str, dict]:
+    """The component schemas of the streamed chunks (and the models they use), for /openapi.json."""
+    schemas: dict[str, dict] = {}
+    for model in (CompletionResponse, ChatCompletionChunk, ErrorResponse):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    return schemas
 
 
 KV_EVENT_SCHEMA = {
@@ -166,12 +219,12 @@ KV_EVENT_SCHEMA = {
 }
 
 
-def sse_content(data_schema: dict | None) -> dict:
+def sse_content(data_schema: dict, done: bool = False) -> dict:
     """A `text/event-stream` media type described event by event: each carries `data` of `data_schema`
-    (JSON text, given as `contentSchema`), or any text when None (chunks, then `[DONE]`)."""
-    data: dict = {"type": "string"}
-    if data_schema is not None:
-        data |= {"contentMediaType": "application/json", "contentSchema": data_schema}
+    (JSON text, given as `contentSchema`), or the text `[DONE]` when `done` says the stream ends so."""
+    data: dict = {"type": "string", "contentMediaType": "application/json", "contentSchema": data_schema}
+    if done:
+        data = {"anyOf": [data, {"const": "[DONE]"}]}
     return {
         "schema": {
             "type": "object",

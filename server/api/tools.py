@@ -199,9 +199,8 @@ class ToolCallReader:
         """A whole reply: (content or None, calls)."""
         if self.mode == "none":
             return text, []
-        if self.mode in ("required", "named"):
-            calls = parse_constrained(text, self.named)
-            return (None, calls) if calls else (text, [])
+        if self.mode in ("required", "named"):  # the text is the calls' JSON encoding, never content
+            return None, parse_constrained(text, self.named)
         content, calls = self.parser.parse(text, self.known)
         if calls and not self.parallel:
             calls = calls[:1]
@@ -232,7 +231,7 @@ class ToolCallReader:
             return self._content(self.text[self._sent : safe], safe)
         content, calls = self.read(self.text)
         if not calls:
-            return self._content(self.text[self._sent :], len(self.text))
+            return self._content(self.text[self._sent :], len(self.text)) if self.mode == "auto" else {}
         self.called = True
         delta = {"tool_calls": [tool_call_json(c, i) for i, c in enumerate(calls)]}
         if self.mode == "auto":  # what the whole reply's content has beyond what was streamed

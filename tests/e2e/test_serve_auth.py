@@ -41,3 +41,12 @@ def test_requests_need_the_key_probes_do_not(keyed) -> None:
     assert [m.id for m in client(KEY).models.list().data] == ["SmolLM2-135M-Instruct"]
     assert httpx.get(f"{keyed.base_url}/health").status_code == 200
     assert "conveyor:num_requests_waiting" in httpx.get(f"{keyed.base_url}/metrics").text
+
+
+def test_the_schema_says_which_paths_need_the_key(keyed) -> None:
+    schema = httpx.get(f"{keyed.base_url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert schema["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    paths = schema["paths"]
+    assert paths["/v1/chat/completions"]["post"]["security"] == [{"bearer": []}]
+    assert "401" in paths["/v1/models"]["get"]["responses"]
+    assert "security" not in paths["/health"]["get"] and "security" not in paths["/metrics"]["get"]

@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -252,6 +253,48 @@ def test_messages_name_the_field_as_sent_and_the_rule(server):
         "prompt: matches none of the accepted forms"
     )
     assert ".str" not in mixed["message"] and "list[" not in mixed["message"]
+    no_text = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+    ).json()["error"]
+    assert no_text["message"] == "messages.0.content: content part 0 of type 'text' needs `text`, a string"
+    for body in (b"[]", b"null"):
+        not_object = httpx.post(
+            server.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"}
+        ).json()["error"]
+        assert not_object["message"] == "the request body must be a JSON object"
+
+
+def test_null_means_the_default_as_in_openai(client, server):
+    """OpenAI's API marks its optional fields nullable and SDKs send `null` for "not set"."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream",
+                               "logprobs", "parallel_tool_calls", "min_tokens", "ignore_eos")}  # fmt: skip
+    reply = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **nulls},
+    )
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 1 and reply.json()["choices"][0]["logprobs"] is None
+    schema = httpx.get(server.base_url + "/openapi.json").json()["components"]["schemas"]
+    assert {"type": "null"} in schema["ChatCompletionRequest"]["properties"]["temperature"]["anyOf"]
+
+
+def test_the_model_card_and_more_field_rules(client, server):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.created > 1_700_000_000
+    assert httpx.get(server.base_url + "/v1/models/gpt-4").json()["error"]["code"] == "model_not_found"
+    ask = {"messages": [{"role": "user", "content": "Hi"}]}
+    for body, param, says in [
+        ({**ask, "max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens", "differ"),
+        ({**ask, "stop": [""]}, "stop", "at least 1 character"),
+        (
+            {**ask, "tool_choice": {"type": "allowed_tools"}},
+            "tool_choice",
+            "'allowed_tools' is not supported",
+        ),
+    ]:
+        error = httpx.post(server.base_url + "/v1/chat/completions", json=body).json()["error"]
+        assert error["param"] == param and says in error["message"], error
 
 
 def test_prompt_plus_max_tokens_message_gives_both_lengths(server):
@@ -481,3 +524,31 @@ def test_text_that_is_not_unicode_is_a_400(server, path, body, param):
     resp = httpx.post(server.base_url + path, content=raw, headers={"content-type": "application/json"})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("path", "chunk", "body"),
+    [
+        ("/v1/completions", "CompletionResponse", {"prompt": "Hi", "logprobs": 2}),
+        ("/v1/chat/completions", "ChatCompletionChunk", {"messages": [{"role": "user", "content": "Hi"}],
+                                                          "logprobs": True, "top_logprobs": 2}),
+        ("/v1/chat/completions", "ChatCompletionChunk", {"messages": [{"role": "user", "content": "Weather?"}],
+                                                          "tools": [{"type": "function", "function": {"name": "w"}}],
+                                                          "tool_choice": "required"}),
+    ],
+)  # fmt: skip
+def test_streamed_events_follow_the_documented_chunk_schema(server, path, chunk, body):
+    """/openapi.json's text/event-stream entry names the chunk schema each event follows."""
+    doc = httpx.get(server.base_url + "/openapi.json").json()
+    events = doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    data = events["schema"]["properties"]["data"]["anyOf"]
+    assert {"const": "[DONE]"} in data and f"#/components/schemas/{chunk}" in json.dumps(data)
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{chunk}", "components": doc["components"]}
+    )
+    body = {**body, "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.base_url + path, json=body, timeout=120) as reply:
+        lines = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and len(lines) > 3
+    for line in lines[:-1]:
+        validator.validate(json.loads(line))

@@ -174,14 +174,16 @@ def test_tools_reach_the_prompt_unless_tool_choice_is_none(server) -> None:
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "tools.0.function.name"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
          "drop response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nosuch"}}}],
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nosuch"}}}}}],
           "tool_choice": "required"}, "tools", "nosuch"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
          "messages", "only an `assistant`"),
         # a tool schema is checked whatever tool_choice says
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]}, "tools",
-         "`not`"),
+         "tools.0.function.parameters: JSON Schema keyword `not` (at /)"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+          "tool_choice": "required"}, "tools", "must be a JSON Schema of type `object`"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "'get_weather' is given more than once"),
         ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "a named tool_choice is"),
     ],

@@ -93,6 +93,13 @@ def test_constrained_outputs_cut_by_max_tokens_still_read_as_calls(text, named, 
     ]
 
 
+@pytest.mark.parametrize("text", ["[", '[{"name": "get_w'])
+def test_a_constrained_reply_cut_before_any_call_is_no_content(text) -> None:
+    """The reply is the calls' JSON encoding: cut before a name, nothing is left to show."""
+    assert ToolCallReader("required", HermesToolParser()).read(text) == (None, [])
+    assert ToolCallReader("required", HermesToolParser()).feed(text, finished=True) == {}
+
+
 def test_auto_calls_of_unknown_functions_stay_content_and_parallel_false_keeps_one() -> None:
     two = (
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
