@@ -40,7 +40,8 @@ cxx:
 bench: $(STAMP) cxx
 	$(PY) -m conveyor.benchmarks.run_all $(BENCH_ARGS)
 
-# llama-cpp-python's server on the same GGUF and workload (the newest results folder); builds it once into ~/.cache.
+# vLLM's CPU build against conveyor, and llama-cpp-python's server, on the newest results folder's workload
+# (benchmarks/run_peers.py); each installs once into ~/.cache/conveyor.
 bench-peers: $(STAMP)
 	$(PY) -m conveyor.benchmarks.run_peers $(BENCH_ARGS)
 

@@ -146,3 +146,9 @@ async def first_model_id(client: httpx.AsyncClient, base_url: str) -> str:
     if not models:
         raise LookupError(f"{base_url}/v1/models lists no model")
     return str(models[0]["id"])
+
+
+async def served_model_id(base_url: str) -> str:
+    """`first_model_id` over a client of its own (30 s timeout)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+        return await first_model_id(client, base_url)

