@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+import os
+from typing import Protocol, cast
+
+import torch
 
 KERNEL_NAMES = (
     "reshape_and_cache",
@@ -26,6 +29,44 @@ BACKENDS = {
 }
 
 
+class KernelBackend(Protocol):
+    """What every backend module provides; `conveyor.kernels.reference` documents shapes and dtypes."""
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 def default_backend(device_type: str) -> str:
     """`triton` on CUDA; on CPU `cpu` when its C++ kernels build here (first call compiles them, about
     15 s once per machine), else `torch` (the reason is logged)."""
@@ -36,7 +77,7 @@ def default_backend(device_type: str) -> str:
     return "cpu" if cpu.is_available() else "torch"
 
 
-def load_backend(name: str) -> ModuleType:
+def load_backend(name: str) -> KernelBackend:
     """The module providing every name in KERNEL_NAMES for backend `name` (`torch`, `cpu` or `triton`).
 
     Raises ValueError for an unknown name; `cpu.CPUKernelBuildError` when the C++ kernels cannot be built.
@@ -46,4 +87,27 @@ def load_backend(name: str) -> ModuleType:
     module = importlib.import_module(BACKENDS[name])
     if name == "cpu":
         module.load_library()
-    return module
+    return cast(KernelBackend, module)
+
+
+def select_backend(name: str, device_type: str) -> tuple[str, KernelBackend]:
+    """The one place a backend is chosen and checked: `--attention-backend name` (`auto` resolves with
+    `default_backend`) on `device_type` (`cpu` or `cuda`). Returns (resolved name, backend).
+
+    Raises ValueError naming the flag when the backend cannot run on the device (triton without CUDA,
+    unless `TRITON_INTERPRET=1`; cpu on CUDA tensors) or the C++ kernels cannot be built.
+    """
+    from conveyor.kernels.cpu import CPUKernelBuildError
+
+    resolved = default_backend(device_type) if name == "auto" else name
+    if resolved == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "--attention-backend triton needs CUDA; on CPU it runs only under Triton's interpreter "
+            "(set TRITON_INTERPRET=1 before starting)"
+        )
+    if resolved == "cpu" and device_type != "cpu":
+        raise ValueError("--attention-backend cpu runs on CPU tensors; use triton or torch on CUDA")
+    try:
+        return resolved, load_backend(resolved)
+    except CPUKernelBuildError as exc:
+        raise ValueError(f"--attention-backend cpu: {exc}; or use --attention-backend torch") from exc

@@ -6,7 +6,6 @@ Synchronous and single-threaded; `AsyncEngine` runs it in its own thread beside 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,8 +13,7 @@ from typing import Protocol
 
 import torch
 
-from conveyor.kernels import default_backend, load_backend, onednn
-from conveyor.kernels.cpu import CPUKernelBuildError
+from conveyor.kernels import onednn, select_backend
 from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB
 from conveyor.server.engine.detokenizer import IncrementalDetokenizer
@@ -143,18 +141,7 @@ class LLMEngine:
         self.served_model_name = mc.served_model_name or source.default_name
         hf_config = loader.load_config(source)
         self.dtype, why = pick_dtype(mc.dtype, self.device, hf_config)
-        backend = dc.attention_backend if dc.attention_backend != "auto" else default_backend(device_type)
-        if backend == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                "--attention-backend triton needs CUDA; on CPU it runs only under Triton's interpreter "
-                "(set TRITON_INTERPRET=1 before starting)"
-            )
-        if backend == "cpu" and device_type != "cpu":
-            raise ValueError("--attention-backend cpu runs on CPU tensors; use triton or torch on CUDA")
-        try:
-            ops = load_backend(backend)
-        except CPUKernelBuildError as exc:
-            raise ValueError(f"--attention-backend cpu: {exc}; or use --attention-backend torch") from exc
+        backend, ops = select_backend(dc.attention_backend, device_type)
         logger.info("device %s, dtype %s (%s), kernel backend %s", self.device, self.dtype, why, backend)
         self.tokenizer = loader.load_tokenizer(source, mc.load_format)
         self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops, mc.load_format)

@@ -9,11 +9,11 @@ and query/sequence lengths.
 from __future__ import annotations
 
 import logging
-from types import ModuleType
 
 import numpy as np
 import torch
 
+from conveyor.kernels import KernelBackend
 from conveyor.server.engine.scheduler import SchedulerOutput
 from conveyor.server.model.models.llama import AttentionMetadata, LlamaForCausalLM
 from conveyor.server.model.sampler import SamplerOutput, sample
@@ -27,7 +27,7 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        ops: ModuleType,
+        ops: KernelBackend,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,

@@ -10,11 +10,11 @@ into one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import nn
 
+from conveyor.kernels import KernelBackend
 from conveyor.kernels.reference import rope_cos_sin_cache
 
 
@@ -80,7 +80,7 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, ops: ModuleType) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: KernelBackend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
@@ -96,7 +96,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, ops: ModuleType) -> None:
+    def __init__(self, shape: ModelShape, ops: KernelBackend) -> None:
         super().__init__()
         self.num_heads = shape.num_heads
         self.num_kv_heads = shape.num_kv_heads
@@ -141,7 +141,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: ModelShape, ops: ModuleType) -> None:
+    def __init__(self, shape: ModelShape, ops: KernelBackend) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
@@ -152,7 +152,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, ops: ModuleType) -> None:
+    def __init__(self, shape: ModelShape, ops: KernelBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.self_attn = LlamaAttention(shape, ops)
@@ -169,7 +169,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects chosen rows."""
 
-    def __init__(self, shape: ModelShape, ops: ModuleType) -> None:
+    def __init__(self, shape: ModelShape, ops: KernelBackend) -> None:
         super().__init__()
         self.shape = shape
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
