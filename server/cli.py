@@ -182,7 +182,7 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # bad model, path, or shape; no network for a hub id
         print(f"conveyor serve: {exc}", file=sys.stderr)
         return 1
-    metrics = EngineMetrics(engine.served_model_name)
+    metrics = EngineMetrics(engine.served_model_name, engine.limits)
     engine.observer = metrics
     async_engine = AsyncEngine(engine)
     if server_config.api_key is None and os.environ.get("CONVEYOR_API_KEY"):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from conveyor.server.engine.engine import EngineLimits
 from conveyor.server.engine.request import Request
+from conveyor.server.engine.scheduler import SchedulerStats
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -30,9 +32,14 @@ def input_length_bucket(num_prompt_tokens: int) -> str:
 
 
 class EngineMetrics:
-    """The engine's Prometheus series for one served model. Implements the engine's StatsObserver."""
+    """The engine's Prometheus series for one served model. Implements the engine's StatsObserver.
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    limits: the engine's (`LLMEngine.limits`), exported as labels of the config-info series.
+    """
+
+    def __init__(
+        self, model_name: str, limits: EngineLimits, registry: CollectorRegistry | None = None
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -76,22 +83,20 @@ class EngineMetrics:
             "conveyor:request_success", "Finished requests.", ["model_name", "finished_reason"], registry=r
         )
         # vLLM's cache_config_info: the KV pool's shape as labels (value 1), so a router reads a replica's
-        # block size and block count from /metrics. Set from the first step's engine (see on_step).
-        self.cache_config_info = Gauge(
+        # block size and block count from /metrics.
+        Gauge(
             "conveyor:cache_config_info",
             "KV cache configuration (labels; value 1).",
             ["model_name", "block_size", "num_gpu_blocks"],
             registry=r,
-        )
+        ).labels(model_name, str(limits.block_size), str(limits.num_kv_blocks)).set(1)
         # The same for the scheduler's limits: a router tells running from waiting requests with it.
-        self.scheduler_config_info = Gauge(
+        Gauge(
             "conveyor:scheduler_config_info",
             "Scheduler limits (labels; value 1).",
             ["model_name", "max_num_seqs", "max_num_batched_tokens"],
             registry=r,
-        )
-        self._cache_config_set = False
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        ).labels(model_name, str(limits.max_num_seqs), str(limits.max_num_batched_tokens)).set(1)
         # Export every gauge and counter from the start, so a query sees 0 rather than no data.
         for series in (self.num_waiting, self.num_running, self.kv_usage, self.prompt_tokens):
             series.labels(model_name)
@@ -107,29 +112,17 @@ class EngineMetrics:
             for bucket in ("0-512", "512-2048", "2048+"):
                 series.labels(model_name, bucket)
 
-    def on_step(self, engine, schedule) -> None:
+    def on_step(self, stats: SchedulerStats) -> None:
         """Gauges and counters that follow the scheduler; called after every step, idle ones too."""
         name = self.model_name
-        if not self._cache_config_set:  # the pool is sized once, at engine start; the loop's first step
-            block_size, num_blocks = str(engine.config.cache.block_size), str(engine.num_kv_blocks)
-            self.cache_config_info.labels(name, block_size, num_blocks).set(1)
-            limits = str(engine.scheduler.max_num_seqs), str(engine.config.scheduler.max_num_batched_tokens)
-            self.scheduler_config_info.labels(name, *limits).set(1)
-            self._cache_config_set = True
-        scheduler, kv = engine.scheduler, engine.kv_cache
-        self.num_waiting.labels(name).set(len(scheduler.waiting))
-        self.num_running.labels(name).set(len(scheduler.running))
-        self.kv_usage.labels(name).set(kv.usage)
-        if schedule.num_batched_tokens:
-            self.iteration_tokens.labels(name).observe(schedule.num_batched_tokens)
-        for key, total, counter in (
-            ("preemptions", scheduler.num_preemptions, self.preemptions),
-            ("queries", kv.prefix_cache_queries, self.prefix_queries),
-            ("hits", kv.prefix_cache_hits, self.prefix_hits),
-        ):
-            if total > self._seen[key]:
-                counter.labels(name).inc(total - self._seen[key])
-                self._seen[key] = total
+        self.num_waiting.labels(name).set(stats.num_waiting)
+        self.num_running.labels(name).set(stats.num_running)
+        self.kv_usage.labels(name).set(stats.kv_cache_usage)
+        if stats.num_batched_tokens:
+            self.iteration_tokens.labels(name).observe(stats.num_batched_tokens)
+        self.preemptions.labels(name).inc(stats.num_preempted)
+        self.prefix_queries.labels(name).inc(stats.prefix_cache_queries)
+        self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
 
     def on_new_tokens(
         self, request: Request, num_new_tokens: int, now: float, previous_token_time: float | None

@@ -19,7 +19,7 @@ from conveyor.server.config import EngineConfig, GiB
 from conveyor.server.engine.detokenizer import IncrementalDetokenizer
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.request import FinishReason, Logprob, Request, SamplingParams
-from conveyor.server.engine.scheduler import Scheduler, SchedulerOutput
+from conveyor.server.engine.scheduler import SchedulerOutput, SchedulerStats, make_scheduler
 from conveyor.server.engine.structured_output import InvalidGrammarError, StructuredOutputManager
 from conveyor.server.model import loader
 from conveyor.server.model.runner import ModelRunner
@@ -64,11 +64,23 @@ class PromptTooLongError(InvalidRequestError):
 class StatsObserver(Protocol):
     """Receives engine events (the Prometheus metrics implement it)."""
 
-    def on_step(self, engine: LLMEngine, schedule: SchedulerOutput) -> None: ...
+    def on_step(self, stats: SchedulerStats) -> None: ...
     def on_new_tokens(
         self, request: Request, num_new_tokens: int, now: float, previous_token_time: float | None
     ) -> None: ...
     def on_finished(self, request: Request) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine settled at start: KV pool (`num_kv_blocks` blocks of `block_size` tokens) and the
+    scheduler's limits (`/metrics` exports them as vLLM's `cache_config_info` and `scheduler_config_info`)."""
+
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
 
 @dataclass
@@ -197,7 +209,10 @@ class LLMEngine:
             max_num_seqs,
         )
         self.kv_cache = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_num_seqs)
+        self.scheduler = make_scheduler(config.scheduler, self.kv_cache, max_num_seqs)
+        self.limits = EngineLimits(
+            cc.block_size, num_blocks, max_num_seqs, sc.max_num_batched_tokens, self.max_model_len
+        )
         self.runner = ModelRunner(self.model, ops, num_blocks, cc.block_size, self.dtype, self.device)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
@@ -306,7 +321,7 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             if self.observer is not None:
-                self.observer.on_step(self, schedule)
+                self.observer.on_step(self.scheduler.make_stats(schedule))
             return []
         try:
             sampled_ids, samples = self.runner.execute(schedule)
@@ -333,7 +348,7 @@ class LLMEngine:
                 self.scheduler.finish_request(request, FinishReason.STOP)
             outputs.append(self._output(request, [request.output_token_ids[-1]], [lp] if lp else []))
         if self.observer is not None:
-            self.observer.on_step(self, schedule)
+            self.observer.on_step(self.scheduler.make_stats(schedule))
         return outputs
 
     def _advance_grammar(self, request: Request) -> None:

@@ -30,6 +30,14 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
 
 
 @dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups over some steps, in tokens: `queries` looked up, `hits` found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+@dataclass
 class KVCacheEvent:
     """A change to the set of cached block hashes (the keys of `KVCacheManager.cached_blocks`).
 
@@ -73,6 +81,7 @@ class KVCacheManager:
         self.cached_blocks: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up at first admission (not after preemption)
         self.prefix_cache_hits = 0  # of which found cached
+        self._step_prefix_stats = PrefixCacheStats()  # the same since make_prefix_cache_stats
         self._record_events = False
         self._events: list[KVCacheEvent] = []
         self._num_pending_hashes = 0
@@ -81,6 +90,11 @@ class KVCacheManager:
         # never comes near the cap.
         self.max_pending_hashes = max(4 * num_blocks, 1024)
         self._events_overflowed = False
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache tokens looked up and hit since the last call (vLLM's `make_prefix_cache_stats`)."""
+        stats, self._step_prefix_stats = self._step_prefix_stats, PrefixCacheStats()
+        return stats
 
     @property
     def num_free_blocks(self) -> int:
@@ -181,8 +195,11 @@ class KVCacheManager:
         # Count a request's first admission only: after a recompute preemption the block table is empty
         # again, and its own blocks, still cached, would count as hits (vLLM keeps those apart too).
         if self.enable_prefix_caching and not request.block_table and request.num_preemptions == 0:
+            hits = len(computed_blocks) * self.block_size
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+            self.prefix_cache_hits += hits
+            self._step_prefix_stats.queries += request.num_tokens
+            self._step_prefix_stats.hits += hits
         for block_id in computed_blocks:
             if self.ref_counts[block_id] == 0:
                 del self.free_blocks[block_id]

@@ -7,6 +7,10 @@ decodes, one token each) are served first, then waiting prompts fill what is lef
 in chunks when chunked prefill is on. When KV blocks run out, the most recently arrived running request
 is preempted: its blocks are freed, it keeps its generated tokens and goes back to the waiting queue to
 be recomputed (vLLM's recompute preemption). Finished and aborted requests free their blocks at once.
+
+`StaticScheduler` is the request-level baseline the benchmarks compare against: a batch is admitted only
+when the previous one has ended, and its finished members keep computing padding tokens until it does.
+`make_scheduler` picks the class from `SchedulerConfig.scheduling`.
 """
 
 from __future__ import annotations
@@ -45,22 +49,43 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler after one step, what metrics read (vLLM's `SchedulerStats`).
+
+    num_running, num_waiting: requests. kv_cache_usage: fraction of KV blocks held (0-1).
+    num_batched_tokens: tokens computed in the step; num_preempted: requests it preempted.
+    prefix_cache_queries, prefix_cache_hits: tokens looked up in and found in the prefix cache in the
+    step (first admissions only: see `KVCacheManager.allocate_slots`).
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
 class Scheduler:
-    """Decides who runs each step. Pure bookkeeping over `Request`s and the KV cache manager.
+    """Decides who runs each step (continuous batching). Pure bookkeeping over `Request`s and the KV
+    cache manager.
 
     max_model_len: requests never grow past it (the engine validates prompts against it).
     """
 
+    scheduling = "continuous"
+
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int) -> None:
+        if config.scheduling != self.scheduling:
+            raise ValueError(f"{type(self).__name__} schedules {self.scheduling!r}; use make_scheduler")
         self.config = config
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Static batching only: finished members of the current batch, still computing (discarded) tokens
-        # until its longest member ends, as padded request-level batching does.
-        self.padding: list[Request] = []
         self.num_preemptions = 0
 
     def _order_key(self, request: Request) -> tuple[int, float]:
@@ -79,8 +104,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request: Request, reason: FinishReason) -> None:
-        """Stop a request (finished or aborted) and free its blocks now; under static batching a finished
-        member of an unfinished batch keeps its slot as padding until the batch ends."""
+        """Stop a request (finished or aborted) and free its blocks now."""
         if request.is_finished:
             return
         was_running = request.status is RequestStatus.RUNNING
@@ -92,15 +116,24 @@ class Scheduler:
         request.finish_reason = reason
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
-        static = self.config.scheduling == "static"
-        if static and was_running and reason is not FinishReason.ABORT and self.running:
-            self.padding.append(request)
-        else:
-            self.kv_cache.free(request)
-        if static and not self.running:
-            for padded in self.padding:
-                self.kv_cache.free(padded)
-            self.padding.clear()
+        self._release(request, was_running)
+
+    def _release(self, request: Request, was_running: bool) -> None:
+        """Give back a request's blocks once it has finished."""
+        self.kv_cache.free(request)
+
+    def make_stats(self, schedule: SchedulerOutput) -> SchedulerStats:
+        """Stats of the step `schedule` planned, taken after its outputs were applied."""
+        prefix = self.kv_cache.make_prefix_cache_stats()
+        return SchedulerStats(
+            len(self.running),
+            len(self.waiting),
+            self.kv_cache.usage,
+            schedule.num_batched_tokens,
+            len(schedule.preempted),
+            prefix.queries,
+            prefix.hits,
+        )
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort by id; returns the request, or None when it is unknown or already finished."""
@@ -118,11 +151,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(request)
 
+    @property
+    def _chunked(self) -> bool:
+        return self.config.enable_chunked_prefill
+
+    def _admits(self, out: SchedulerOutput) -> bool:
+        """Whether waiting requests may join this step: not in a step that had to preempt."""
+        return not out.preempted
+
+    def _schedule_padding(self, out: SchedulerOutput, budget: int) -> int:
+        """Rows a subclass adds after the running requests; returns the budget left."""
+        return budget
+
     def schedule(self) -> SchedulerOutput:
         """Plan one step: at most `max_num_batched_tokens` tokens and `max_num_seqs` running requests."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill and self.config.scheduling == "continuous"
+        chunked = self._chunked
         self.running.sort(key=self._order_key)
 
         # Running requests first, oldest first; preempt from the newest end when blocks run out.
@@ -146,19 +191,10 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Padding of a static batch: one wasted token each, as a padded batch computes them.
-        for request in list(self.padding):
-            if budget <= 0:
-                break
-            if not self.kv_cache.allocate_slots(request, 1, []):
-                self.padding.remove(request)
-                self.kv_cache.free(request)
-                continue
-            out.scheduled.append(ScheduledRequest(request, 1))
-            budget -= 1
+        budget = self._schedule_padding(out, budget)
 
-        # Then waiting requests; static batching admits a new batch only when the last one is done.
-        admit = not out.preempted and (self.config.scheduling == "continuous" or not self.running)
+        # Then waiting requests.
+        admit = self._admits(out)
         self.waiting.sort(key=self._order_key)
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -195,12 +231,6 @@ class Scheduler:
         for sched in output.scheduled:
             request = sched.request
             request.num_computed_tokens += sched.num_new_tokens
-            if request.is_finished:  # static-batch padding: the token is computed and thrown away
-                request.all_token_ids.append(sampled_token_ids[request.request_id])
-                if request.num_tokens >= max_model_len and request in self.padding:
-                    self.padding.remove(request)
-                    self.kv_cache.free(request)
-                continue
             self.kv_cache.cache_full_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
@@ -227,3 +257,74 @@ class Scheduler:
         if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+class StaticScheduler(Scheduler):
+    """Request-level (static) batching, the baseline continuous batching is measured against: a batch is
+    admitted only when the previous one has ended, prompts are never chunked, and a finished member of an
+    unfinished batch keeps its slot, computing one discarded token per step until the batch's longest
+    member ends, as a padded batch does (DESIGN.md, "Benchmarks")."""
+
+    scheduling = "static"
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int) -> None:
+        super().__init__(config, kv_cache, max_num_seqs)
+        # Finished members of the current batch, still computing padding tokens.
+        self.padding: list[Request] = []
+
+    @property
+    def _chunked(self) -> bool:
+        return False
+
+    def _admits(self, out: SchedulerOutput) -> bool:
+        return not out.preempted and not self.running
+
+    def _release(self, request: Request, was_running: bool) -> None:
+        if was_running and request.finish_reason is not FinishReason.ABORT and self.running:
+            self.padding.append(request)
+        else:
+            self.kv_cache.free(request)
+        if not self.running:
+            for padded in self.padding:
+                self.kv_cache.free(padded)
+            self.padding.clear()
+
+    def _schedule_padding(self, out: SchedulerOutput, budget: int) -> int:
+        """One wasted token for each padding row, as a padded batch computes them."""
+        for request in list(self.padding):
+            if budget <= 0:
+                break
+            if not self.kv_cache.allocate_slots(request, 1, []):
+                self.padding.remove(request)
+                self.kv_cache.free(request)
+                continue
+            out.scheduled.append(ScheduledRequest(request, 1))
+            budget -= 1
+        return budget
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], max_model_len: int
+    ) -> list[tuple[Request, float | None]]:
+        """As `Scheduler.update_from_output`; a padding row's token is computed and thrown away."""
+        live = []
+        for sched in output.scheduled:
+            request = sched.request
+            if not request.is_finished:
+                live.append(sched)
+                continue
+            request.num_computed_tokens += sched.num_new_tokens
+            request.all_token_ids.append(sampled_token_ids[request.request_id])
+            if request.num_tokens >= max_model_len and request in self.padding:
+                self.padding.remove(request)
+                self.kv_cache.free(request)
+        return super().update_from_output(
+            SchedulerOutput(live, output.num_batched_tokens, output.preempted),
+            sampled_token_ids,
+            max_model_len,
+        )
+
+
+def make_scheduler(config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int) -> Scheduler:
+    """The scheduler `config.scheduling` names: `continuous` (Scheduler) or `static` (StaticScheduler)."""
+    cls = StaticScheduler if config.scheduling == "static" else Scheduler
+    return cls(config, kv_cache, max_num_seqs)

@@ -90,7 +90,7 @@ def server() -> Iterator[LiveServer]:
     from conveyor.server.engine.engine import LLMEngine
 
     llm = LLMEngine(engine_config())
-    metrics = EngineMetrics(llm.served_model_name)
+    metrics = EngineMetrics(llm.served_model_name, llm.limits)
     llm.observer = metrics
     app = create_app(AsyncEngine(llm), metrics)
     port = free_port()

@@ -13,7 +13,7 @@ import pytest
 from conveyor.server.config import SchedulerConfig
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.request import SamplingParams
-from conveyor.server.engine.scheduler import Scheduler
+from conveyor.server.engine.scheduler import make_scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_sixteen_unique_prompts_under_preemption_have_no_prefix_hits(engine):
     saved = engine.kv_cache, engine.scheduler
     # 16 requests of 40 prompt + 16 output tokens need 64 blocks of 16 at once; 20 force preemptions.
     engine.kv_cache = KVCacheManager(20, engine.runner.block_size, enable_prefix_caching=True)
-    engine.scheduler = Scheduler(SchedulerConfig(), engine.kv_cache, max_num_seqs=16)
+    engine.scheduler = make_scheduler(SchedulerConfig(), engine.kv_cache, max_num_seqs=16)
     try:
         rng = random.Random(0)
         prompts = [[rng.randrange(1000, 40000) for _ in range(40)] for _ in range(16)]

@@ -8,7 +8,7 @@ import pytest
 from conveyor.server.config import SchedulerConfig
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.request import SamplingParams
-from conveyor.server.engine.scheduler import Scheduler
+from conveyor.server.engine.scheduler import make_scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def configure(engine, num_blocks: int | None = None, caching: bool = True, **sch
     assert not engine.has_unfinished_requests()
     blocks = num_blocks or engine.runner.kv_caches[0][0].shape[0]
     engine.kv_cache = KVCacheManager(blocks, engine.runner.block_size, enable_prefix_caching=caching)
-    engine.scheduler = Scheduler(SchedulerConfig(**scheduler), engine.kv_cache, max_num_seqs=16)
+    engine.scheduler = make_scheduler(SchedulerConfig(**scheduler), engine.kv_cache, max_num_seqs=16)
 
 
 def run(engine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:

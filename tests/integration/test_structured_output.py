@@ -377,7 +377,7 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(engine) -> No
     from conveyor.server.config import SchedulerConfig
     from conveyor.server.engine.kv_cache import KVCacheManager
     from conveyor.server.engine.request import SamplingParams
-    from conveyor.server.engine.scheduler import Scheduler
+    from conveyor.server.engine.scheduler import make_scheduler
     from conveyor.server.engine.structured_output import StructuredOutputParams
 
     assert not engine.has_unfinished_requests()
@@ -416,7 +416,7 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(engine) -> No
         alone.append(engine.tokenizer.decode(out_ids, skip_special_tokens=True))
     saved = engine.kv_cache, engine.scheduler
     engine.kv_cache = KVCacheManager(12, engine.runner.block_size, enable_prefix_caching=True)
-    engine.scheduler = Scheduler(SchedulerConfig(), engine.kv_cache, max_num_seqs=12)
+    engine.scheduler = make_scheduler(SchedulerConfig(), engine.kv_cache, max_num_seqs=12)
     try:
         crowded = run("crowded")
         assert engine.scheduler.num_preemptions > 0

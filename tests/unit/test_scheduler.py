@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.server.config import SchedulerConfig
+from conveyor.server.engine import scheduler as scheduling
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.request import FinishReason, Request, SamplingParams
 from conveyor.server.engine.scheduler import Scheduler
@@ -30,7 +32,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, caching=False, **config) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return Scheduler(SchedulerConfig(**config), kv, max_num_seqs)
+    return scheduling.make_scheduler(SchedulerConfig(**config), kv, max_num_seqs)
 
 
 def step(scheduler: Scheduler):
@@ -99,11 +101,38 @@ def test_preemptions_do_not_count_as_prefix_cache_queries_or_hits():
                 arrival_time=float(next(_clock)),
             )
         )
+    stats = []
     while s.num_unfinished:
-        step(s)
+        stats.append(s.make_stats(step(s)))
     assert s.num_preemptions > 0
     assert s.kv_cache.prefix_cache_queries == 16 * 10
     assert s.kv_cache.prefix_cache_hits == 0
+    # What metrics read: each step's own share, adding up to the totals.
+    assert sum(x.num_preempted for x in stats) == s.num_preemptions
+    assert sum(x.prefix_cache_queries for x in stats) == 16 * 10
+    assert sum(x.prefix_cache_hits for x in stats) == 0
+    assert stats[-1].num_running == stats[-1].num_waiting == 0 and stats[-1].kv_cache_usage == 0
+
+
+def test_step_stats_count_prefix_hits_once_and_show_the_queues():
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=1, caching=True)
+    s.add_request(make_request("a", 9, 1))
+    first = s.make_stats(step(s))
+    assert (first.prefix_cache_queries, first.prefix_cache_hits, first.num_running) == (9, 0, 0)
+    s.add_request(make_request("b", 9, 2))  # the same 9 tokens: two full blocks are cached
+    s.add_request(make_request("c", 3, 2))
+    second = s.make_stats(step(s))
+    assert (second.prefix_cache_queries, second.prefix_cache_hits) == (9, 8)
+    assert (second.num_running, second.num_waiting, second.num_batched_tokens) == (1, 1, 1)
+    assert s.make_stats(step(s)).prefix_cache_queries == 0  # "b" decodes: nothing is looked up
+
+
+def test_the_scheduling_mode_picks_the_class():
+    assert type(make_scheduler()) is Scheduler
+    assert type(make_scheduler(scheduling="static")) is scheduling.StaticScheduler
+    kv = KVCacheManager(8, 4)
+    with pytest.raises(ValueError, match="use make_scheduler"):
+        Scheduler(SchedulerConfig(scheduling="static"), kv, 4)
 
 
 def test_static_batching_admits_only_when_the_batch_is_done():
