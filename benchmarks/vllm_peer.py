@@ -88,6 +88,7 @@ def vllm_env(threads: int) -> dict[str, str]:
     ``0..threads-1`` (a CPU list; ``all`` is refused), a 4 GiB KV cache."""
     return dict(
         os.environ,
+        PYTHONSAFEPATH="1",  # a `-m` start from the repository root must not import its operator/
         VLLM_TARGET_DEVICE="cpu",
         VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
         VLLM_CPU_KVCACHE_SPACE="4",
