@@ -401,22 +401,44 @@ class ContentPart(_Body):
     text: str
 
 
-def _text_parts_only(content: Any) -> Any:
+class RefusalPart(_Body):
+    """A refusal in an earlier assistant reply (OpenAI's `refusal` content part)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+def _check_parts(content: Any, kinds: dict[str, str]) -> Any:
     """Checked before pydantic tries each branch of the content union, whose messages would name its
-    internals (`content.str: Input should be a valid string`) instead of the part's type."""
+    internals (`content.str: Input should be a valid string`) instead of the part's type. `kinds`:
+    each accepted part type and the string field it needs."""
     if isinstance(content, list):
         if not content:
             raise ValueError("an empty list of content parts; give at least one text part")
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(f"content part type {kind!r} is not supported by this model (text only)")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i} of type 'text' needs `text`, a string")
+            if kind not in kinds:
+                accepted = " or ".join(repr(k) for k in kinds)
+                raise ValueError(
+                    f"content part type {kind!r} is not supported by this model ({accepted} only)"
+                )
+            if not isinstance(part.get(kinds[kind]), str):
+                raise ValueError(f"content part {i} of type {kind!r} needs `{kinds[kind]}`, a string")
     return content
 
 
+def _text_parts_only(content: Any) -> Any:
+    return _check_parts(content, {"text": "text"})
+
+
+def _text_or_refusal_parts(content: Any) -> Any:
+    return _check_parts(content, {"text": "text", "refusal": "refusal"})
+
+
 Parts = Annotated[list[ContentPart], Field(min_length=1)]
+AssistantParts = Annotated[
+    list[Annotated[ContentPart | RefusalPart, Field(discriminator="type")]], Field(min_length=1)
+]
 
 
 class _Message(_Body):
@@ -452,12 +474,25 @@ class UserMessage(_Message):
 
 
 class AssistantMessage(_Message):
-    """A previous reply: text, calls, or both."""
+    """A previous reply: text, calls, or both; a refusal (the `refusal` field or content part) is shown
+    to the model as text. `audio`, `function_call` and `annotations` are accepted empty only, so a reply
+    echoed back as the openai client dumps it (`message.model_dump()`) is accepted."""
 
     role: Literal["assistant"]
-    content: str | Parts | None = None
+    content: str | AssistantParts | None = None
     tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
+    audio: None = None
+    function_call: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
     _carries: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
+
+    _content_parts = field_validator("content", mode="before")(_text_or_refusal_parts)
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text if isinstance(p, ContentPart) else p.refusal for p in self.content)
+        return self.content or self.refusal or ""
 
 
 class ToolMessage(_Message):

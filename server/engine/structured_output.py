@@ -73,6 +73,14 @@ def check_json_schema(schema: object, path: str = "") -> None:
     step = schema.get("multipleOf")
     if isinstance(step, float) and not step.is_integer():
         raise InvalidGrammarError(f"a fractional `multipleOf` (at {where}) is not supported")
+    lower = "minimum" in schema or "exclusiveMinimum" in schema
+    upper = "maximum" in schema or "exclusiveMaximum" in schema
+    if step is not None and lower != upper:
+        # xgrammar enforces multipleOf alone or within a closed range, and drops it beside one bound.
+        raise InvalidGrammarError(
+            f"`multipleOf` with only {'a lower' if lower else 'an upper'} bound (at {where}) is not supported: "
+            "give both a minimum and a maximum, or neither"
+        )
     if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
         raise InvalidGrammarError(
             f"`minLength`/`maxLength` with `pattern` or `format` (at {where}) is not supported"

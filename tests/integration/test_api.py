@@ -258,6 +258,20 @@ def test_messages_name_the_field_as_sent_and_the_rule(server):
         json={"messages": [{"role": "user", "content": [{"type": "text"}]}]},
     ).json()["error"]
     assert no_text["message"] == "messages.0.content: content part 0 of type 'text' needs `text`, a string"
+    refused = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+    ]
+    ok = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"messages": [*refused, {"role": "user", "content": "Why?"}], "max_tokens": 2},
+    )
+    assert ok.status_code == 200, ok.text
+    audio = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a1"}}], "max_tokens": 2},
+    ).json()["error"]
+    assert audio["message"].startswith("messages.0.audio: ") and audio["param"] == "messages", audio
     for body in (b"[]", b"null"):
         not_object = httpx.post(
             server.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"}

@@ -315,6 +315,17 @@ def test_constrained_and_free_rows_in_one_batch_do_not_affect_each_other(aclient
         ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "`uniqueItems`"),
         ({"guided_json": {"not": {"type": "string"}}}, "guided_json", "`not`"),
         ({"guided_json": {"type": "number", "multipleOf": 0.5}}, "guided_json", "fractional `multipleOf`"),
+        # xgrammar drops multipleOf beside a single bound: refused, as the output would not match.
+        (
+            {
+                "guided_json": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer", "multipleOf": 3, "maximum": 9}},
+                }
+            },
+            "guided_json",
+            "`multipleOf` with only an upper bound (at /properties/a)",
+        ),
         ({"guided_json": {"$ref": "http://example.com/s.json"}}, "guided_json", "outside the schema"),
         (
             {"guided_json": {"type": "string", "pattern": "^a+$", "maxLength": 3}},

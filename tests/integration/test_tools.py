@@ -140,9 +140,12 @@ def test_a_tool_result_round_trips(client) -> None:
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}
         for call in assistant.tool_calls
     ]
+    # The reply as the openai client dumps it (refusal, audio, function_call, annotations: None).
+    echoed = assistant.model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= echoed.keys()
     second = client.chat.completions.create(
         model=MODEL,
-        messages=[*ASK, assistant.model_dump(exclude_none=True), *results],
+        messages=[*ASK, echoed, *results],
         tools=TOOLS,
         tool_choice="none",
         max_tokens=40,
