@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.server.engine.engine import EngineLimits
 from conveyor.server.engine.request import Request
-from conveyor.server.engine.scheduler import SchedulerStats
+from conveyor.server.engine.stats import SchedulerStats
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

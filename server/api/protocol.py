@@ -418,7 +418,7 @@ def _check_parts(content: Any, kinds: dict[str, str]) -> Any:
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in kinds:
-                accepted = " or ".join(repr(k) for k in kinds)
+                accepted = " or ".join(kinds)
                 raise ValueError(
                     f"content part type {kind!r} is not supported by this model ({accepted} only)"
                 )

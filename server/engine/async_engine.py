@@ -22,8 +22,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from conveyor.server.engine.engine import LLMEngine, RequestOutput
+from conveyor.server.engine.engine import LLMEngine
 from conveyor.server.engine.kv_cache import KVCacheEvent, KVCacheSnapshot
+from conveyor.server.engine.output import RequestOutput
 from conveyor.server.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)

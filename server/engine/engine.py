@@ -1,4 +1,6 @@
-"""The engine: validates and admits requests, and runs steps (schedule -> model runner -> outputs).
+"""The engine: builds the serving system (model, KV cache, scheduler, runner) from an EngineConfig,
+admits requests (checked by `validation`), and runs steps: schedule -> execute -> update -> outputs
+(`output` detokenizes and decides every finish; `stats` carries what metrics read).
 
 Synchronous and single-threaded; `AsyncEngine` runs it in its own thread beside the asyncio server.
 """
@@ -9,18 +11,19 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from conveyor.kernels import onednn, select_backend
 from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB
-from conveyor.server.engine.detokenizer import IncrementalDetokenizer
 from conveyor.server.engine.kv_cache import KVCacheManager
-from conveyor.server.engine.request import FinishReason, Logprob, Request, SamplingParams
-from conveyor.server.engine.scheduler import SchedulerOutput, SchedulerStats, make_scheduler
-from conveyor.server.engine.structured_output import InvalidGrammarError, StructuredOutputManager
+from conveyor.server.engine.output import OutputProcessor, RequestOutput
+from conveyor.server.engine.request import FinishReason, Request, SamplingParams
+from conveyor.server.engine.scheduler import SchedulerOutput, make_scheduler
+from conveyor.server.engine.stats import StatsObserver
+from conveyor.server.engine.structured_output import StructuredOutputManager
+from conveyor.server.engine.validation import validate_request
 from conveyor.server.model import loader
 from conveyor.server.model.runner import ModelRunner
 
@@ -28,47 +31,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * GiB
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot serve; `param` names the offending field (OpenAI's `param`)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class PromptTooLongError(InvalidRequestError):
-    """Prompt plus max_tokens exceed max_model_len. Carries the token counts."""
-
-    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-        self.num_prompt_tokens = num_prompt_tokens
-        self.max_tokens = max_tokens
-        self.max_model_len = max_model_len
-        if num_prompt_tokens >= max_model_len:
-            msg = (
-                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens."
-            )
-            param = "prompt"
-        else:
-            msg = (
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-                f"in max_tokens)."
-            )
-            param = "max_tokens"
-        super().__init__(msg, param)
-
-
-class StatsObserver(Protocol):
-    """Receives engine events (the Prometheus metrics implement it)."""
-
-    def on_step(self, stats: SchedulerStats) -> None: ...
-    def on_new_tokens(
-        self, request: Request, num_new_tokens: int, now: float, previous_token_time: float | None
-    ) -> None: ...
-    def on_finished(self, request: Request) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -81,23 +43,6 @@ class EngineLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request. Times in seconds (time.monotonic)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[Logprob]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    # Set when the request ended as an error of its own (the API answers 400 with it).
-    error: str | None = None
 
 
 @dataclass
@@ -143,7 +88,6 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, observer: StatsObserver | None = None) -> None:
         self.config = config
-        self.observer = observer
         mc, cc, dc = config.model, config.cache, config.device
         device_type = dc.device if dc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device_type == "cuda" and not torch.cuda.is_available():
@@ -214,10 +158,21 @@ class LLMEngine:
             cc.block_size, num_blocks, max_num_seqs, sc.max_num_batched_tokens, self.max_model_len
         )
         self.runner = ModelRunner(self.model, ops, num_blocks, cc.block_size, self.dtype, self.device)
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.structured_output, self.max_model_len, observer
+        )
         self.global_generator = torch.Generator().manual_seed(mc.seed)
         self.stats = EngineStats()
+
+    @property
+    def observer(self) -> StatsObserver | None:
+        """Told of every step, new token and finished request (the Prometheus metrics); settable."""
+        return self.output_processor.observer
+
+    @observer.setter
+    def observer(self, observer: StatsObserver | None) -> None:
+        self.output_processor.observer = observer
 
     def _kv_pool_bytes(self, ops) -> int:
         cc = self.config.cache
@@ -245,35 +200,9 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError (naming the field) for a request this engine cannot serve."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "prompt"
-            )
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(len(prompt_token_ids), params.max_tokens, self.max_model_len)
-        if params.min_tokens > params.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
-                "min_tokens",
-            )
-        bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
-        if bad_bias:
-            raise InvalidRequestError(
-                f"logit_bias keys must be token ids in [0, {self.vocab_size}); got {bad_bias[:5]}",
-                "logit_bias",
-            )
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise InvalidRequestError(f"stop_token_ids out of vocabulary: {bad_stop[:5]}", "stop_token_ids")
-        so = params.structured_output
-        if so is not None:
-            try:
-                self.structured_output.check(so)  # compiled once: add_request's compile is a lookup
-            except InvalidGrammarError as exc:
-                raise InvalidRequestError(f"{so.param}: {exc}", so.param) from None
+        validate_request(
+            prompt_token_ids, params, self.vocab_size, self.max_model_len, self.structured_output
+        )
 
     def add_request(
         self,
@@ -301,7 +230,7 @@ class LLMEngine:
         if params.structured_output is not None:
             request.grammar = self.structured_output.matcher(params.structured_output)
         self.scheduler.add_request(request)
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        self.output_processor.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -309,7 +238,7 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
-        return self._finish_output(request, [], [])
+        return self.output_processor.final_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -317,65 +246,27 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, execute, sample, detokenize, finish. Returns per-request outputs."""
+        """One iteration: schedule -> execute (forward and sample) -> update (the scheduler appends the
+        tokens) -> outputs (detokenize, stop checks, finish). Returns per-request outputs."""
         schedule = self.scheduler.schedule()
-        if schedule.is_empty:
-            if self.observer is not None:
-                self.observer.on_step(self.scheduler.make_stats(schedule))
-            return []
-        try:
-            sampled_ids, samples = self.runner.execute(schedule)
-        except Exception:
-            # A failed forward must not leave requests holding blocks: abort the step's requests.
-            for sched in schedule.scheduled:
-                self.scheduler.finish_request(sched.request, FinishReason.ABORT)
-                self.detokenizers.pop(sched.request.request_id, None)
-            raise
-        sampled = dict(zip(sampled_ids, samples.token_ids, strict=True))
-        logprobs = dict(zip(sampled_ids, samples.logprobs, strict=True))
-        self._record_step(schedule)
-        updated = self.scheduler.update_from_output(schedule, sampled, self.max_model_len)
-        outputs = []
-        for request, previous_token_time in updated:
-            lp = logprobs[request.request_id]
-            if lp is not None:
-                request.output_logprobs.append(lp)
-            if self.observer is not None:
-                self.observer.on_new_tokens(request, 1, request.last_token_time, previous_token_time)
-            self._advance_grammar(request)
-            detok = self.detokenizers[request.request_id]
-            if detok.update([request.output_token_ids[-1]]) and not request.is_finished:
-                self.scheduler.finish_request(request, FinishReason.STOP)
-            outputs.append(self._output(request, [request.output_token_ids[-1]], [lp] if lp else []))
+        outputs: list[RequestOutput] = []
+        if not schedule.is_empty:
+            try:
+                sampled_ids, samples = self.runner.execute(schedule)
+            except Exception:
+                # A failed forward must not leave requests holding blocks: abort the step's requests.
+                for sched in schedule.scheduled:
+                    self.scheduler.finish_request(sched.request, FinishReason.ABORT)
+                    self.output_processor.discard(sched.request.request_id)
+                raise
+            self._record_step(schedule)
+            sampled = dict(zip(sampled_ids, samples.token_ids, strict=True))
+            updated = self.scheduler.update_from_output(schedule, sampled, self.max_model_len)
+            logprobs = dict(zip(sampled_ids, samples.logprobs, strict=True))
+            outputs = self.output_processor.process(updated, logprobs, self.scheduler.finish_request)
         if self.observer is not None:
             self.observer.on_step(self.scheduler.make_stats(schedule))
         return outputs
-
-    def _advance_grammar(self, request: Request) -> None:
-        """Feed the sampled token to the request's grammar; a grammar that has ended ends the request.
-        A grammar that allowed no token at all (a constraint no output can complete, such as the regex
-        `a[^\\s\\S]`) ends it with `request.error`, which the API answers as a 400."""
-        if request.grammar is None:
-            return
-        if not request.grammar.accept_token(request.output_token_ids[-1]):
-            if not self.structured_output.allows_a_token(request.grammar):
-                so = request.sampling_params.structured_output
-                done = self.tokenizer.decode(request.output_token_ids[:-1])
-                request.error = (
-                    f"{so.param}: no token of this model continues the constraint after {done!r}: "
-                    "no output matches it"
-                )
-            else:
-                # The bitmask allowed only tokens the grammar accepts; refusing one is a bug.
-                logger.error(
-                    "request %s: grammar refused sampled token %d",
-                    request.request_id,
-                    request.output_token_ids[-1],
-                )
-            if not request.is_finished:
-                self.scheduler.finish_request(request, FinishReason.ABORT)
-        elif request.grammar.is_terminated() and not request.is_finished:
-            self.scheduler.finish_request(request, FinishReason.STOP)
 
     def _record_step(self, schedule: SchedulerOutput) -> None:
         self.stats.num_steps += 1
@@ -386,38 +277,4 @@ class LLMEngine:
                 tuple((s.request.request_id, s.num_new_tokens) for s in schedule.scheduled),
                 len(schedule.preempted),
             )
-        )
-
-    def _output(self, request: Request, new_ids: list[int], new_logprobs: list[Logprob]) -> RequestOutput:
-        if request.is_finished:
-            return self._finish_output(request, new_ids, new_logprobs)
-        return RequestOutput(
-            request.request_id,
-            new_ids,
-            self.detokenizers[request.request_id].delta(finished=False),
-            new_logprobs,
-            False,
-            None,
-            request.num_prompt_tokens,
-            len(request.output_token_ids),
-            request.num_cached_tokens,
-        )
-
-    def _finish_output(
-        self, request: Request, new_ids: list[int], new_logprobs: list[Logprob]
-    ) -> RequestOutput:
-        detok = self.detokenizers.pop(request.request_id, None)
-        if self.observer is not None:
-            self.observer.on_finished(request)
-        return RequestOutput(
-            request.request_id,
-            new_ids,
-            detok.delta(finished=True) if detok else "",
-            new_logprobs,
-            True,
-            request.finish_reason,
-            request.num_prompt_tokens,
-            len(request.output_token_ids),
-            request.num_cached_tokens,
-            request.error,
         )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from conveyor.server.engine.request import Request
+from conveyor.server.engine.stats import PrefixCacheStats
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
@@ -27,14 +28,6 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     h.update(parent_hash or b"root")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups over some steps, in tokens: `queries` looked up, `hits` found cached."""
-
-    queries: int = 0
-    hits: int = 0
 
 
 @dataclass

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from conveyor.server.config import SchedulerConfig
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.request import FinishReason, Request, RequestStatus
+from conveyor.server.engine.stats import SchedulerStats
 
 
 @dataclass
@@ -47,25 +48,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """The scheduler after one step, what metrics read (vLLM's `SchedulerStats`).
-
-    num_running, num_waiting: requests. kv_cache_usage: fraction of KV blocks held (0-1).
-    num_batched_tokens: tokens computed in the step; num_preempted: requests it preempted.
-    prefix_cache_queries, prefix_cache_hits: tokens looked up in and found in the prefix cache in the
-    step (first admissions only: see `KVCacheManager.allocate_slots`).
-    """
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_batched_tokens: int = 0
-    num_preempted: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -222,9 +204,10 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], max_model_len: int
     ) -> list[tuple[Request, float | None]]:
-        """Advance the step's requests; append sampled tokens; finish on EOS, stop token ids, max_tokens
-        or max_model_len. Returns the requests that got a new token this step (finished ones included),
-        each with the time of its previous token (None for a first token).
+        """Advance the step's requests and append their sampled tokens (`sampled_token_ids`, by request
+        id). Returns the requests that got a new token, each with the time of its previous token (None
+        for a first token); whether that token ends the request is the output processor's decision.
+        max_model_len: context length in tokens (the static baseline's padding rows stop there).
         """
         updated: list[tuple[Request, float | None]] = []
         now = time.monotonic()
@@ -240,23 +223,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             updated.append((request, previous))
-            reason = self._check_stop(request, token_id, max_model_len)
-            if reason is not None:
-                self.finish_request(request, reason)
         return updated
-
-    @staticmethod
-    def _check_stop(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token_id == request.eos_token_id:
-                return FinishReason.STOP
-            if token_id in params.stop_token_ids:
-                return FinishReason.STOP
-        if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
-            return FinishReason.LENGTH
-        return None
 
 
 class StaticScheduler(Scheduler):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from conveyor.server.engine.async_engine import AsyncEngine
-from conveyor.server.engine.engine import RequestOutput
 from conveyor.server.engine.kv_cache import KVCacheEvent, KVCacheManager, KVCacheSnapshot, hash_block
+from conveyor.server.engine.output import RequestOutput
 from conveyor.server.engine.request import FinishReason, Request, SamplingParams
 
 BLOCK = 4

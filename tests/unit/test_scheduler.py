@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from conveyor.server.config import SchedulerConfig
 from conveyor.server.engine import scheduler as scheduling
 from conveyor.server.engine.kv_cache import KVCacheManager
+from conveyor.server.engine.output import stop_reason
 from conveyor.server.engine.request import FinishReason, Request, SamplingParams
 from conveyor.server.engine.scheduler import Scheduler
 
@@ -39,7 +40,10 @@ def step(scheduler: Scheduler):
     """One step with a fake model that samples token 1 for every request that reaches its end."""
     out = scheduler.schedule()
     sampled = {s.request.request_id: 1 for s in out.scheduled if s.samples}
-    scheduler.update_from_output(out, sampled, MAX_MODEL_LEN)
+    for request, _ in scheduler.update_from_output(out, sampled, MAX_MODEL_LEN):
+        reason = stop_reason(request, 1, MAX_MODEL_LEN)
+        if reason is not None:
+            scheduler.finish_request(request, reason)
     return out
 
 

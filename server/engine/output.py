@@ -1,0 +1,161 @@
+"""The output processor: turns each step's new tokens into `RequestOutput`s, and is the one place that
+decides a request has finished.
+
+The scheduler only appends each step's sampled token (`Scheduler.update_from_output`); then, per request
+that got one, this module advances its structured-output grammar, feeds its detokenizer, and checks the
+stop conditions vLLM checks (its scheduler's `check_stop` and its output processor's stop strings, here
+together): EOS (once `min_tokens` are out, unless `ignore_eos`), `stop_token_ids`, `max_tokens` and
+`max_model_len`, the grammar's end or dead end, and stop strings. A finish is handed to the scheduler's
+`finish_request`, which frees the request's KV blocks before the next step is scheduled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from conveyor.server.engine.detokenizer import IncrementalDetokenizer
+from conveyor.server.engine.request import FinishReason, Logprob, Request
+from conveyor.server.engine.stats import StatsObserver
+from conveyor.server.engine.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. Times in seconds (time.monotonic)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[Logprob]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    # Set when the request ended as an error of its own (the API answers 400 with it).
+    error: str | None = None
+
+
+def stop_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
+    """The finish a request's newest token `token_id` causes from token ids alone: `STOP` on EOS (after
+    `min_tokens`, unless `ignore_eos`) or a stop token id, `LENGTH` at `max_tokens` or `max_model_len`."""
+    params = request.sampling_params
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+    if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+Finish = Callable[[Request, FinishReason], None]
+
+
+class OutputProcessor:
+    """Per-request detokenizers and the stop checks; see the module docstring.
+
+    tokenizer: the model's transformers tokenizer. max_model_len: context length in tokens.
+    observer: told of every new token and every finished request (metrics), if given.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        structured_output: StructuredOutputManager,
+        max_model_len: int,
+        observer: StatsObserver | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.structured_output = structured_output
+        self.max_model_len = max_model_len
+        self.observer = observer
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add_request(self, request: Request) -> None:
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params
+        )
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request that ended without an output (its step failed)."""
+        self._detokenizers.pop(request_id, None)
+
+    def process(
+        self,
+        updated: list[tuple[Request, float | None]],
+        logprobs: dict[str, Logprob | None],
+        finish: Finish,
+    ) -> list[RequestOutput]:
+        """One output per request of `updated` (each with the time of its previous token, None for a
+        first one; `Scheduler.update_from_output`'s result), whose newest token is the step's. `logprobs`:
+        by request id, the token's log-probabilities when asked for. `finish(request, reason)` ends a
+        request (the scheduler's `finish_request`)."""
+        outputs = []
+        for request, previous_token_time in updated:
+            token_id = request.output_token_ids[-1]
+            lp = logprobs.get(request.request_id)
+            if lp is not None:
+                request.output_logprobs.append(lp)
+            if self.observer is not None:
+                self.observer.on_new_tokens(request, 1, request.last_token_time, previous_token_time)
+            reason = stop_reason(request, token_id, self.max_model_len)
+            grammar_reason = self._advance_grammar(request)
+            stopped = self._detokenizers[request.request_id].update([token_id])
+            reason = reason or grammar_reason or (FinishReason.STOP if stopped else None)
+            if reason is not None:
+                finish(request, reason)
+            outputs.append(self._output(request, [token_id], [lp] if lp else []))
+        return outputs
+
+    def final_output(self, request: Request) -> RequestOutput:
+        """The last output of a request that has just finished outside a step (an abort)."""
+        return self._output(request, [], [])
+
+    def _advance_grammar(self, request: Request) -> FinishReason | None:
+        """Feed the newest token to the request's grammar: `STOP` once the grammar has ended; `ABORT` when
+        it refused the token. A grammar that allowed no token at all (a constraint no output can
+        complete, such as the regex `a[^\\s\\S]`) also sets `request.error`, which the API answers as a
+        400; any other refusal is a bug (the bitmask allowed only tokens the grammar accepts)."""
+        if request.grammar is None:
+            return None
+        token_id = request.output_token_ids[-1]
+        if request.grammar.accept_token(token_id):
+            return FinishReason.STOP if request.grammar.is_terminated() else None
+        if not self.structured_output.allows_a_token(request.grammar):
+            so = request.sampling_params.structured_output
+            done = self.tokenizer.decode(request.output_token_ids[:-1])
+            request.error = (
+                f"{so.param}: no token of this model continues the constraint after {done!r}: "
+                "no output matches it"
+            )
+        else:
+            logger.error("request %s: grammar refused sampled token %d", request.request_id, token_id)
+        return FinishReason.ABORT
+
+    def _output(self, request: Request, new_ids: list[int], new_logprobs: list[Logprob]) -> RequestOutput:
+        finished = request.is_finished
+        if finished:
+            detok = self._detokenizers.pop(request.request_id, None)
+            if self.observer is not None:
+                self.observer.on_finished(request)
+        else:
+            detok = self._detokenizers[request.request_id]
+        return RequestOutput(
+            request.request_id,
+            new_ids,
+            detok.delta(finished=finished) if detok else "",
+            new_logprobs,
+            finished,
+            request.finish_reason if finished else None,
+            request.num_prompt_tokens,
+            len(request.output_token_ids),
+            request.num_cached_tokens,
+            request.error if finished else None,
+        )
