@@ -38,7 +38,7 @@ from conveyor.benchmarks.metrics import compute_metrics, model_flops_utilization
 from conveyor.benchmarks.run_all import measure_matmul_peak
 from conveyor.benchmarks.serve import run_benchmark, warmup
 from conveyor.benchmarks.server_process import ConveyorServer, ServerProcess, ServerStartError, free_port
-from conveyor.benchmarks.vllm_peer import VLLM_VERSION, ensure_vllm, vllm_command, vllm_env
+from conveyor.benchmarks.vllm_peer import VLLM_VERSION, ensure_vllm, vllm_command, vllm_env, vllm_model_dir
 
 LLAMA_CPP_VERSION = "0.3.36"
 DEFAULT_VENV = Path.home() / ".cache" / "conveyor" / "llama-cpp-venv"
@@ -133,7 +133,7 @@ def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params:
     from conveyor.server.model.loader import converted, resolve_model
 
     python = ensure_vllm(Path(args.vllm_venv))
-    model_dir = converted(resolve_model(None)).path
+    model_dir = str(vllm_model_dir(Path(converted(resolve_model(None)).path)))
     auto = str(pick_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
     dtypes = list(dict.fromkeys([auto, "float32"]))
     threads = args.vllm_threads
@@ -161,6 +161,9 @@ def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params:
             _save(results, slug + ("_vs_vllm" if system.startswith("conveyor") else ""), run, records)
             runs.append(run)
             failed += run["metrics"]["failed"]
+            errors = [r.error for r in records if not r.success]
+            if errors:
+                print(f"[peers] {system} / {scenario}: {len(errors)} failed, first: {errors[0]}", flush=True)
             if rate is None:
                 capacity = run["metrics"]["request_throughput"]
         return capacity
@@ -174,7 +177,8 @@ def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params:
             with ServerProcess(command, port, logs / f"vllm_{dtype}.log", threads, 1200.0,
                                env=vllm_env(threads)) as server:  # fmt: skip
                 capacity = measure(server, f"vLLM CPU {VLLM_VERSION}", dtype, peak, [None])
-                online = [f * capacity for f in args.online_fractions] if dtype == auto else []
+                # Online rates are fractions of a capacity measured on successful requests only.
+                online = [f * capacity for f in args.online_fractions] if dtype == auto and capacity else []
                 if online:
                     measure(server, f"vLLM CPU {VLLM_VERSION}", dtype, peak, online)
             flags = ["--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]

@@ -13,11 +13,14 @@ kernels on CPUs without AVX-512).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from safetensors.torch import load_file, save_file
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
@@ -81,6 +84,29 @@ def ensure_vllm(venv: Path = DEFAULT_VENV) -> Path:
     shim.mkdir(exist_ok=True)
     (shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n")
     return python
+
+
+def vllm_model_dir(source: Path, cache: Path = DEFAULT_VENV.parent / "vllm-models") -> Path:
+    """A copy of the Hugging Face folder `source` (conveyor's converted model) that vLLM loads as the
+    same weights. The converted copy stores a tied embedding once, as `lm_head.weight` (transformers'
+    `save_pretrained` drops the other name); vLLM reads the input embedding from
+    `model.embed_tokens.weight` and, not finding it, would run with an uninitialised one. The copy
+    names it so and leaves `lm_head.weight` out (vLLM ties it back). Made once under `cache`."""
+    dest = cache / source.name
+    if (dest / "model.safetensors").exists():
+        return dest
+    tmp = cache / f".{source.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    weights: dict = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        weights.update(load_file(shard))
+    if "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:
+        weights["model.embed_tokens.weight"] = weights.pop("lm_head.weight")
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
 
 
 def vllm_env(threads: int) -> dict[str, str]:
