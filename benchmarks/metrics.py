@@ -13,8 +13,10 @@ Definitions follow vLLM's ``bench serve`` so that numbers are comparable:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 #: Prompt-length buckets, the same labels as the server's ``input_length_bucket`` metric label.
 #: A prompt of ``n`` tokens falls in the bucket whose ``[low, high)`` contains ``n``.
@@ -286,6 +288,35 @@ def model_flops_utilization(num_params: int, tokens_per_s: float, peak_flops_per
     if peak_flops_per_s <= 0:
         raise ValueError(f"peak_flops_per_s must be > 0, got {peak_flops_per_s}")
     return 2.0 * num_params * tokens_per_s / peak_flops_per_s
+
+
+def run_entry(
+    system: str,
+    scenario: str,
+    samples: Sequence[Any],
+    records: Sequence[RequestRecord],
+    metrics: BenchmarkMetrics,
+    mfu: float | None,
+    request_rate: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One run as the results files record it: its name, `metrics`, `mfu`, how many successful
+    requests missed their sample's `output_len` (exact lengths are asked for), the first distinct
+    errors, the machine's load average, and `extra` fields."""
+    return {
+        "name": f"{system} / {scenario}",
+        "system": system,
+        "scenario": scenario,
+        "request_rate": request_rate,
+        "metrics": asdict(metrics),
+        "mfu": mfu,
+        "output_len_mismatches": sum(
+            1 for r, s in zip(records, samples, strict=True) if r.success and r.output_len != s.output_len
+        ),
+        "errors": sorted({r.error for r in records if not r.success})[:5],
+        "load_average": os.getloadavg(),
+        **extra,
+    }
 
 
 def _ms(value_s: float | None) -> float | None:

@@ -43,6 +43,7 @@ from conveyor.benchmarks.metrics import (
     matmul_flops_per_s,
     model_flops_utilization,
     parse_goodput_slos,
+    run_entry,
     static_batching_padding,
 )
 from conveyor.benchmarks.serve import run_benchmark, warmup
@@ -193,21 +194,9 @@ class Bench:
         padding = static_batching_padding(
             [s.prompt_len for s in samples], [s.output_len for s in samples], self.args.max_num_seqs
         )
-        run = {
-            "name": f"{system} / {scenario}",
-            "system": system,
-            "scenario": scenario,
-            "request_rate": request_rate,
-            "metrics": asdict(metrics),
-            "mfu": model_flops_utilization(self.num_params, metrics.total_token_throughput, self.peak_flops),
-            "static_padding_efficiency": padding.efficiency,
-            "output_len_mismatches": sum(
-                1 for r, s in zip(records, samples, strict=True) if r.success and r.output_len != s.output_len
-            ),
-            "errors": sorted({r.error for r in records if not r.success})[:5],
-            "load_average": os.getloadavg(),
-            **extra,
-        }
+        mfu = model_flops_utilization(self.num_params, metrics.total_token_throughput, self.peak_flops)
+        run = run_entry(system, scenario, samples, records, metrics, mfu, request_rate,
+                        static_padding_efficiency=padding.efficiency, **extra)  # fmt: skip
         slug = re.sub(r"[^a-z0-9]+", "_", f"{system} {scenario}".replace("%", "pct").lower()).strip("_")
         (self.out / f"{slug}.json").write_text(json.dumps({**run, "records": [asdict(r) for r in records]}))
         self.runs.append({**run, "records": [asdict(r) for r in records]})

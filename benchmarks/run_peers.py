@@ -34,7 +34,12 @@ from conveyor.benchmarks import report
 from conveyor.benchmarks.baselines import EMBEDDED_GGUF, PAD_TOKEN_ID, embedded_model_dir
 from conveyor.benchmarks.client import RequestSettings, served_model_id
 from conveyor.benchmarks.datasets import load_jsonl, to_text
-from conveyor.benchmarks.metrics import compute_metrics, model_flops_utilization, parse_goodput_slos
+from conveyor.benchmarks.metrics import (
+    compute_metrics,
+    model_flops_utilization,
+    parse_goodput_slos,
+    run_entry,
+)
 from conveyor.benchmarks.run_all import measure_matmul_peak
 from conveyor.benchmarks.serve import run_benchmark, warmup
 from conveyor.benchmarks.server_process import ConveyorServer, ServerProcess, ServerStartError, free_port
@@ -88,20 +93,8 @@ def _run_entry(
 ) -> dict[str, Any]:
     """A run as make bench records one (metrics, MFU, exact-length check, errors, load)."""
     metrics = compute_metrics(records, duration, parse_goodput_slos(goodput))
-    run = {
-        "name": f"{system} / {scenario}",
-        "system": system,
-        "scenario": scenario,
-        "request_rate": request_rate,
-        "metrics": asdict(metrics),
-        "mfu": model_flops_utilization(num_params, metrics.total_token_throughput, peak) if peak else None,
-        "output_len_mismatches": sum(
-            1 for r, s in zip(records, samples, strict=True) if r.success and r.output_len != s.output_len
-        ),
-        "errors": sorted({r.error for r in records if not r.success})[:5],
-        "load_average": os.getloadavg(),
-        **extra,
-    }
+    mfu = model_flops_utilization(num_params, metrics.total_token_throughput, peak) if peak else None
+    run = run_entry(system, scenario, samples, records, metrics, mfu, request_rate, **extra)
     m = metrics
     print(
         f"[peers] {run['name']}: {m.completed} ok, {m.failed} failed, {m.output_throughput:.1f} output tok/s, "
