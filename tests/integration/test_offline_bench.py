@@ -58,3 +58,24 @@ def test_offline_batches_on_a_tiny_dummy_shape(tmp_path, capsys):
         assert b["floor_bytes"] == pytest.approx(floor)
         assert b["floor_tok_s"] == pytest.approx(b["batch"] / b["floor_step_s"])
     assert "| 4 |" in out and "`conveyor plan`" in out
+
+
+def test_structured_output_bench_keeps_each_mode_to_its_constraint(tmp_path, capsys):
+    """`python -m conveyor.benchmarks.structured` on the embedded model: every mode runs, the ratios
+    are against the free mode of the same run, and the constrained outputs obey their constraint."""
+    import re
+
+    from conveyor.benchmarks import structured
+
+    assert (
+        structured.main(
+            ["--batch", "2", "--output-len", "6", "--dtype", "float32", "--json", str(tmp_path / "r.json")]
+        )
+        == 0
+    )
+    results = {r["mode"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert list(results) == ["free", "regex", "json_schema"] and results["free"]["tok_s_vs_free"] == 1.0
+    assert all(r["output_tokens"] > 0 and r["median_step_s"] > 0 for r in results.values())
+    assert all(re.fullmatch(r"[A-Za-z ,.]*", text) for text in results["regex"]["texts"])
+    assert all(text.startswith('{"name": "') for text in results["json_schema"]["texts"])
+    assert "json_schema" in capsys.readouterr().out
