@@ -417,7 +417,7 @@ def _check_parts(content: Any, kinds: dict[str, str]) -> Any:
             raise ValueError("an empty list of content parts; give at least one text part")
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in kinds:
+            if not isinstance(kind, str) or kind not in kinds:  # a dict is no type name (nor hashable)
                 accepted = " or ".join(kinds)
                 raise ValueError(
                     f"content part type {kind!r} is not supported by this model ({accepted} only)"

@@ -258,6 +258,12 @@ def test_messages_name_the_field_as_sent_and_the_rule(server):
         json={"messages": [{"role": "user", "content": [{"type": "text"}]}]},
     ).json()["error"]
     assert no_text["message"] == "messages.0.content: content part 0 of type 'text' needs `text`, a string"
+    # Regression: a part whose type is an object was a 500 (unhashable) once refusal parts came in.
+    odd = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": [{"type": {}, "text": ""}]}]},
+    )
+    assert odd.status_code == 400 and "content part type {}" in odd.json()["error"]["message"], odd.text
     refused = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
