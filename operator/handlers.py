@@ -49,6 +49,7 @@ from conveyor.operator.render import (
     render_all,
     router_name,
     router_selector_string,
+    server_args,
 )
 from conveyor.operator.spec import (
     DNS1035_LABEL,
@@ -67,6 +68,7 @@ from conveyor.operator.status import (
     capacity_message,
     history_from_status,
 )
+from conveyor.server.cli import ServeArgsError
 
 # kopf memo key of an InferenceService's autoscaler history.
 HISTORY_MEMO_KEY = "autoscaler_history"
@@ -278,11 +280,15 @@ def _reconcile(
             failure = ("InvalidName", NAME_RULE_MESSAGE)
         else:
             spec = parse_spec(body.get("spec") or {})
-            plan = plan_for_spec(spec)
+            planned = plan_for_spec(spec)
+            server_args(spec, planned)  # what the pods would start with, checked as the server will
+            plan = planned
     except ValidationError as exc:
         failure = ("InvalidSpec", validation_message(exc))
     except PlanningError as exc:
         failure = (FAILURE_REASONS.get(type(exc).__name__, "PlanningFailed"), str(exc))
+    except ServeArgsError as exc:
+        failure = ("ServerArgsRejected", f"conveyor serve would refuse the arguments it gets: {exc}")
 
     previous_planned = next(
         (c for c in previous.get("conditions") or [] if c.get("type") == "CapacityPlanned"), None

@@ -28,6 +28,8 @@ from conveyor.operator.catalog import (
 )
 from conveyor.operator.spec import InferenceServiceSpec
 from conveyor.server.capacity import CapacityPlan, InsufficientGPUMemoryError, dtype_bytes, plan_capacity
+from conveyor.server.cli import add_model_flags
+from conveyor.server.config import CacheConfig, ModelConfig, ParallelConfig
 
 # Catalog models are stored in bfloat16, so `auto` plans with 2-byte weights and KV.
 AUTO_DTYPE = "bfloat16"
@@ -225,6 +227,11 @@ def _write_config(model: str, directory: Path) -> int:
     return 0
 
 
+def _without_none(groups: dict[str, dict]) -> dict[str, dict]:
+    """Spec groups without the flags not given (the spec's defaults apply)."""
+    return {group: {k: v for k, v in fields.items() if v is not None} for group, fields in groups.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     """`conveyor plan`: print the KV-capacity plan of one replica. Exit status 1 when it cannot fit."""
     parser = argparse.ArgumentParser(
@@ -233,13 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", required=True, help="catalog model name or hub id (llama-3-8b)")
     parser.add_argument("--gpu", help="catalog GPU type (a100-80gb, h100-80gb, l4, ...)")
-    parser.add_argument("--max-model-len", type=int, help="tokens per sequence")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     parser.add_argument("--gpus", type=int, default=1, help="GPUs per replica")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: --gpus")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--gpu-memory", default=None, help="memory of one GPU (80Gi) for other GPUs")
-    parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    # The server's own flags, from its config models (`conveyor serve` takes them the same way).
+    add_model_flags(parser, ModelConfig, only={"dtype", "max_model_len"})
+    add_model_flags(parser, CacheConfig, only={"gpu_memory_utilization", "block_size"})
+    add_model_flags(parser, ParallelConfig)
     parser.add_argument("--layers", type=int, default=None, help="override: transformer layers")
     parser.add_argument("--kv-heads", type=int, default=None, help="override: KV heads")
     parser.add_argument("--head-dim", type=int, default=None, help="override: head dimension")
@@ -258,27 +264,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gpu and --max-model-len are required (unless --write-config)")
     try:
         spec = InferenceServiceSpec.model_validate(
-            {
-                "model": {
-                    "name": args.model,
-                    "dtype": args.dtype,
-                    "maxModelLen": args.max_model_len,
-                    "layers": args.layers,
-                    "kvHeads": args.kv_heads,
-                    "headDim": args.head_dim,
-                    "params": args.params,
-                },
-                "resources": {
-                    "gpuType": args.gpu,
-                    "gpusPerReplica": args.gpus,
-                    "tensorParallelSize": args.tensor_parallel_size,
-                    "gpuMemory": args.gpu_memory,
-                },
-                "engine": {
-                    "gpuMemoryUtilization": args.gpu_memory_utilization,
-                    "blockSize": args.block_size,
-                },
-            }
+            _without_none(
+                {
+                    "model": {
+                        "name": args.model,
+                        "dtype": args.dtype,
+                        "maxModelLen": args.max_model_len,
+                        "layers": args.layers,
+                        "kvHeads": args.kv_heads,
+                        "headDim": args.head_dim,
+                        "params": args.params,
+                    },
+                    "resources": {
+                        "gpuType": args.gpu,
+                        "gpusPerReplica": args.gpus,
+                        "tensorParallelSize": args.tensor_parallel_size,
+                        "gpuMemory": args.gpu_memory,
+                    },
+                    "engine": {
+                        "gpuMemoryUtilization": args.gpu_memory_utilization,
+                        "blockSize": args.block_size,
+                    },
+                }
+            )
         )
         if args.gpus % spec.tensor_parallel_size:
             raise ValueError("--gpus must be divisible by --tensor-parallel-size")

@@ -21,9 +21,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from conveyor.operator.catalog import hub_id
 from conveyor.operator.plan import SpecPlan
 from conveyor.operator.spec import GROUP, KIND, ROUTER_SUFFIX, VERSION, InferenceServiceSpec
+from conveyor.server.cli import ServeArgsError, ServeSettings, parse_serve_argv, serve_argv
+from conveyor.server.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 
 SERVER_PORT = 8000
 SERVICE_PORT = 80
@@ -168,37 +179,46 @@ def model_source(spec: InferenceServiceSpec) -> tuple[str, dict[str, Any] | None
     return f"{MODELS_MOUNT}/{claim}/{path}".rstrip("/"), volume
 
 
-def server_args(spec: InferenceServiceSpec, plan: SpecPlan) -> list[str]:
-    """Arguments of `conveyor serve` (vLLM's flag spelling) with the planned `--max-num-seqs`."""
+def server_configs(spec: InferenceServiceSpec, plan: SpecPlan) -> ServeSettings:
+    """The server's configuration for `spec`: what the operator sets (address, model, planned
+    `max_num_seqs`, engine fields) as the server's own config models, so pydantic checks every value
+    with the rules `conveyor serve` applies. Raises pydantic's ValidationError (naming the field)."""
     engine = spec.engine
     model, _ = model_source(spec)
-    args = [
-        "serve",
-        model,
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(SERVER_PORT),
-        "--served-model-name",
-        spec.model.name,
-        "--dtype",
-        spec.model.dtype,
-        "--max-model-len",
-        str(spec.model.max_model_len),
-        "--max-num-seqs",
-        str(plan.max_num_seqs),
-        "--gpu-memory-utilization",
-        str(engine.gpu_memory_utilization),
-        "--tensor-parallel-size",
-        str(plan.tensor_parallel_size),
-        "--block-size",
-        str(engine.block_size),
-        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
-        "--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill",
-    ]
+    scheduler = {"max_num_seqs": plan.max_num_seqs, "enable_chunked_prefill": engine.enable_chunked_prefill}
     if engine.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
-    return args + list(engine.extra_args)
+        scheduler["max_num_batched_tokens"] = engine.max_num_batched_tokens
+    return ServeSettings(
+        engine=EngineConfig(
+            model=ModelConfig(
+                model=model,
+                served_model_name=spec.model.name,
+                dtype=spec.model.dtype,
+                max_model_len=spec.model.max_model_len,
+            ),
+            cache=CacheConfig(
+                block_size=engine.block_size,
+                gpu_memory_utilization=engine.gpu_memory_utilization,
+                enable_prefix_caching=engine.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(**scheduler),
+            parallel=ParallelConfig(tensor_parallel_size=plan.tensor_parallel_size),
+        ),
+        server=ServerConfig(host="0.0.0.0", port=SERVER_PORT),
+    )
+
+
+def server_args(spec: InferenceServiceSpec, plan: SpecPlan) -> list[str]:
+    """Arguments of `conveyor serve` (vLLM's flag spelling): `server_configs` rendered by the CLI's own
+    `serve_argv`, then the spec's extraArgs. Raises ServeArgsError when the server would refuse them
+    (every rendered pod would crash-loop)."""
+    try:
+        settings = server_configs(spec, plan)
+    except ValidationError as exc:
+        raise ServeArgsError.from_validation(exc) from None
+    args = [*serve_argv(settings.engine, settings.server), *spec.engine.extra_args]
+    parse_serve_argv(args)
+    return ["serve", *args]
 
 
 def _probe(path: str, period: int, failure_threshold: int, timeout: int = 5) -> dict[str, Any]:

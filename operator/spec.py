@@ -21,6 +21,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from conveyor.server.config import CacheConfig, SchedulerConfig
+
 GROUP = "serving.conveyor.dev"
 VERSION = "v1alpha1"
 KIND = "InferenceService"
@@ -303,21 +305,45 @@ class ResourcesSpec(_CamelModel):
         return value
 
 
-class EngineSpec(_CamelModel):
-    """Server engine settings; unset fields are derived from the capacity plan."""
+def _server_field(config: type[BaseModel], name: str, description: str, default: Any = ...) -> Any:
+    """A field with the bounds (ge, gt, le, lt) and, unless given, the default of the server's config
+    field `config.name`, so the CRD accepts no value `conveyor serve` refuses and defaults to what it
+    would (DESIGN.md: the engine spec derives from the server's config models)."""
+    info = config.model_fields[name]
+    bounds = {
+        key: getattr(item, key)
+        for item in info.metadata
+        for key in ("ge", "gt", "le", "lt")
+        if hasattr(item, key)
+    }
+    return Field(default=info.default if default is ... else default, description=description, **bounds)
 
-    max_num_seqs: int | None = Field(
-        default=None, ge=1, description="Override the computed --max-num-seqs (sequences per step)."
+
+class EngineSpec(_CamelModel):
+    """Server engine settings (`conveyor serve`'s bounds and defaults); unset ones come from the plan."""
+
+    max_num_seqs: int | None = _server_field(
+        SchedulerConfig, "max_num_seqs", "Override the computed --max-num-seqs (sequences per step)."
     )
-    max_num_batched_tokens: int | None = Field(
-        default=None, ge=1, description="Tokens per engine step (--max-num-batched-tokens)."
+    max_num_batched_tokens: int | None = _server_field(
+        SchedulerConfig,
+        "max_num_batched_tokens",
+        "Tokens per engine step (--max-num-batched-tokens); default: the server's "
+        f"{SchedulerConfig.model_fields['max_num_batched_tokens'].default}.",
+        default=None,
     )
-    gpu_memory_utilization: float = Field(
-        default=0.9, gt=0, le=1, description="Fraction of GPU memory the server may use."
+    gpu_memory_utilization: float = _server_field(
+        CacheConfig, "gpu_memory_utilization", "Fraction of GPU memory the server may use."
     )
-    block_size: Literal[8, 16, 32] = Field(default=16, description="KV-cache block size in tokens.")
-    enable_chunked_prefill: bool = Field(default=True, description="Split long prefills across steps.")
-    enable_prefix_caching: bool = Field(default=True, description="Share KV blocks of common prefixes.")
+    block_size: Literal[8, 16, 32] = Field(
+        default=CacheConfig.model_fields["block_size"].default, description="KV-cache block size in tokens."
+    )
+    enable_chunked_prefill: bool = _server_field(
+        SchedulerConfig, "enable_chunked_prefill", "Split long prefills across steps."
+    )
+    enable_prefix_caching: bool = _server_field(
+        CacheConfig, "enable_prefix_caching", "Share KV blocks of common prefixes."
+    )
     extra_args: list[Annotated[str, StringConstraints(max_length=1024)]] = Field(
         default_factory=list,
         max_length=64,

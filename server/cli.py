@@ -1,7 +1,10 @@
 """`conveyor` command line: `serve`, plus the commands other packages provide (see COMMANDS).
 
 `serve`'s flags are generated from the pydantic config models (`max_num_seqs` -> `--max-num-seqs`,
-booleans as `--x/--no-x`), so they cannot drift from the engine's configuration.
+booleans as `--x/--no-x`), so they cannot drift from the engine's configuration. The same fields go the
+other way too: `serve_argv` renders configs as the arguments that mean them (the operator's pods are
+started with its output) and `parse_serve_argv` is the full check `conveyor serve` applies at start
+(argparse, then the config models' validation).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import signal
 import sys
 import types
 import typing
+from dataclasses import dataclass
 from typing import get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
@@ -24,6 +28,7 @@ from conveyor.server.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
 )
@@ -43,13 +48,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
-_SERVE_GROUPS: dict[str, type[BaseModel]] = {
+# EngineConfig's groups, by its field names, then the HTTP front end's.
+_ENGINE_GROUPS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
     "device": DeviceConfig,
-    "server": ServerConfig,
 }
+_SERVE_GROUPS: dict[str, type[BaseModel]] = {**_ENGINE_GROUPS, "server": ServerConfig}
 
 
 def _flag_type(annotation) -> tuple[type | None, list | None]:
@@ -62,13 +69,24 @@ def _flag_type(annotation) -> tuple[type | None, list | None]:
     return annotation, None
 
 
-def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: set[str]) -> None:
-    """Add one `--kebab-case` flag per field of `model` (defaults left to the model)."""
+def flag_name(field: str) -> str:
+    """The command-line flag of a config field: `max_num_seqs` -> `--max-num-seqs`."""
+    return "--" + field.replace("_", "-")
+
+
+def add_model_flags(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    skip: set[str] = frozenset(),
+    only: set[str] | None = None,
+) -> None:
+    """Add one `--kebab-case` flag per field of `model` (all but `skip`, or just `only`; defaults left to
+    the model, so an absent flag is an unset field)."""
     group = parser.add_argument_group(model.__name__, model.__doc__)
     for name, info in model.model_fields.items():
-        if name in skip:
+        if name in skip or (only is not None and name not in only):
             continue
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         help_text = (
             info.description if info.default is None else f"{info.description} (default: {info.default})"
         )
@@ -94,10 +112,8 @@ def _collect(args: argparse.Namespace, model: type[BaseModel]) -> BaseModel:
 
 def print_validation_error(prog: str, exc: ValidationError) -> None:
     """One line per error, naming the flag (`conveyor serve: --max-num-seqs: ...`)."""
-    for error in exc.errors():
-        loc = [str(p) for p in error["loc"]]
-        where = ("--" + "-".join(loc).replace("_", "-") + ": ") if loc else ""
-        print(f"{prog}: {where}{error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+    for line in _validation_lines(exc):
+        print(f"{prog}: {line}", file=sys.stderr)
 
 
 def collect_config(args: argparse.Namespace, model: type[BaseModel], prog: str) -> BaseModel | None:
@@ -109,26 +125,91 @@ def collect_config(args: argparse.Namespace, model: type[BaseModel], prog: str) 
         return None
 
 
-class _ArgumentError(Exception):
-    pass
+class ServeArgsError(ValueError):
+    """`conveyor serve` would refuse these arguments; the message says why, naming the flag."""
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> ServeArgsError:
+        return cls("; ".join(_validation_lines(exc)))
 
 
 class _CheckingParser(argparse.ArgumentParser):
     """A parser that raises instead of printing usage and exiting."""
 
     def error(self, message: str) -> typing.NoReturn:
-        raise _ArgumentError(message)
+        raise ServeArgsError(message)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything `conveyor serve` starts from: the engine's configuration and the HTTP front end's."""
+
+    engine: EngineConfig
+    server: ServerConfig
+    log_level: str = "info"
+
+
+def _validation_lines(exc: ValidationError) -> list[str]:
+    lines = []
+    for error in exc.errors():
+        where = flag_name("-".join(str(p) for p in error["loc"])) + ": " if error["loc"] else ""
+        lines.append(where + error["msg"].removeprefix("Value error, "))
+    return lines
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    """The configs that parsed `serve` flags mean. Raises pydantic's ValidationError."""
+    engine = EngineConfig(**{name: _collect(args, group) for name, group in _ENGINE_GROUPS.items()})
+    return ServeSettings(engine, _collect(args, ServerConfig), args.log_level)
+
+
+def parse_serve_argv(argv: list[str]) -> ServeSettings:
+    """What `conveyor serve ARGV` (without the `serve`) would start with, after every check it makes
+    before loading the model: argparse (unknown flag, bad choice or type), then the config models.
+
+    Raises ServeArgsError naming the flag (`--max-num-seqs: Input should be greater than or equal to 1`).
+    """
+    args = build_parser(_CheckingParser).parse_args(["serve", *argv])
+    try:
+        return settings_from_args(args)
+    except ValidationError as exc:
+        raise ServeArgsError.from_validation(exc) from None
 
 
 def check_serve_args(argv: list[str]) -> str | None:
-    """argparse's complaint about `conveyor serve ARGV` (unknown flag, bad choice or value type), or
-    None when it parses. The operator checks an InferenceService's extraArgs with it before a pod
-    would crash-loop on them."""
+    """Why `conveyor serve ARGV` would refuse to start (see `parse_serve_argv`), or None. The operator
+    checks an InferenceService's extraArgs with it before a pod would crash-loop on them."""
     try:
-        build_parser(_CheckingParser).parse_args(["serve", *argv])
-    except _ArgumentError as exc:
+        parse_serve_argv(argv)
+    except ServeArgsError as exc:
         return str(exc)
     return None
+
+
+def _flag_values(config: BaseModel) -> list[str]:
+    """Flags for the fields of `config` set explicitly (pydantic's `model_fields_set`) and not None."""
+    argv: list[str] = []
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        if name not in config.model_fields_set or value is None or name == "model":
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(name) if value else "--no-" + flag_name(name).removeprefix("--"))
+        elif isinstance(value, list):
+            argv += [flag_name(name), *map(str, value)]
+        else:
+            argv += [flag_name(name), str(value)]
+    return argv
+
+
+def serve_argv(engine: EngineConfig, server: ServerConfig) -> list[str]:
+    """The `conveyor serve` arguments (after `serve`) that mean `engine` and `server`: the model, if set,
+    as the positional argument, then one flag per explicitly set field in the models' field order.
+    `parse_serve_argv(serve_argv(e, s))` gives back `e` and `s`."""
+    argv = [engine.model.model] if engine.model.model is not None else []
+    for name in _ENGINE_GROUPS:
+        argv += _flag_values(getattr(engine, name))
+    return argv + _flag_values(server)
 
 
 def build_parser(
@@ -155,7 +236,7 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(settings: ServeSettings) -> int:
     import uvicorn
 
     from conveyor.server.api.app import create_app
@@ -164,21 +245,11 @@ def serve(args: argparse.Namespace) -> int:
     from conveyor.server.engine.engine import LLMEngine
 
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    server_config = settings.server
     try:
-        config = EngineConfig(
-            model=_collect(args, ModelConfig),
-            cache=_collect(args, CacheConfig),
-            scheduler=_collect(args, SchedulerConfig),
-            device=_collect(args, DeviceConfig),
-        )
-        server_config = _collect(args, ServerConfig)
-    except ValidationError as exc:
-        print_validation_error("conveyor serve", exc)
-        return 2
-    try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(settings.engine)
     except (ValueError, OSError) as exc:  # bad model, path, or shape; no network for a hub id
         print(f"conveyor serve: {exc}", file=sys.stderr)
         return 1
@@ -205,7 +276,7 @@ def serve(args: argparse.Namespace) -> int:
         app,
         host=server_config.host,
         port=server_config.port,
-        log_level=args.log_level,
+        log_level=settings.log_level,
         timeout_graceful_shutdown=server_config.shutdown_grace_period,
     )
     server = Server(config)
@@ -222,7 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         module, _, func = COMMANDS[argv[0]][0].partition(":")
         return getattr(importlib.import_module(module), func)(argv[1:])
     args = build_parser().parse_args(argv)
-    return serve(args)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print_validation_error("conveyor serve", exc)
+        return 2
+    return serve(settings)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,17 @@ class DeviceConfig(_Config):
         "auto",
         description="kernels: auto = triton on CUDA; on CPU the C++ cpu kernels, or torch if they cannot be built",
     )
-    tensor_parallel_size: int = Field(1, ge=1, le=1, description="GPUs per replica (1 is supported)")
+
+
+class ParallelConfig(_Config):
+    """How one replica is split over devices (Megatron-LM tensor parallelism, as vLLM)."""
+
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks one replica is split over (one process and device each); must divide the "
+        "model's attention heads",
+    )
 
 
 class ServerConfig(_Config):
@@ -122,4 +132,5 @@ class EngineConfig(_Config):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()

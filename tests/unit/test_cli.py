@@ -46,3 +46,50 @@ def test_check_serve_args_refuses_abbreviations_and_unknown_flags() -> None:
     assert check_serve_args(["model", "--po=1"]) == "unrecognized arguments: --po=1"
     assert check_serve_args(["model", "--max-num-s", "3"]) == "unrecognized arguments: --max-num-s 3"
     assert "invalid int value" in (check_serve_args(["model", "--seed", "x"]) or "")
+    # The config models' own rules, not only argparse's: what would stop `conveyor serve` at start.
+    assert check_serve_args(["model", "--kv-cache-memory", "0"]) == (
+        "--kv-cache-memory: Input should be greater than or equal to 1"
+    )
+    assert check_serve_args(["--gpu-memory-utilization", "1.5"]) == (
+        "--gpu-memory-utilization: Input should be less than or equal to 1"
+    )
+
+
+def _other_value(info):
+    """A valid value for a config field that differs from its default."""
+    from typing import Literal, get_args, get_origin
+
+    annotation = info.annotation
+    if get_origin(annotation) is Literal:
+        return next(c for c in get_args(annotation) if c != info.default)
+    kinds = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
+    kind = kinds[0]
+    if kind is bool:
+        return not info.default
+    if kind is float:
+        return 0.5 if info.default != 0.5 else 0.25
+    if kind is int:
+        return (info.default or 3) * 2 + 1  # within every field's bounds (ports, body size, ...)
+    if kind is str:
+        return "some-value"
+    raise AssertionError(f"no test value for {annotation}")
+
+
+def test_serve_argv_renders_every_field_so_that_serve_parses_it_back() -> None:
+    """serve_argv is the inverse of the parser: every field of every group, set to a non-default value,
+    comes back identical through `conveyor serve`'s full check."""
+    from conveyor.server.cli import _ENGINE_GROUPS, parse_serve_argv, serve_argv
+    from conveyor.server.config import EngineConfig, ServerConfig
+
+    def changed(model):
+        return model(**{name: _other_value(info) for name, info in model.model_fields.items()})
+
+    engine = EngineConfig(**{name: changed(group) for name, group in _ENGINE_GROUPS.items()})
+    server = changed(ServerConfig)
+    argv = serve_argv(engine, server)
+    assert argv[0] == "some-value"  # the model, positional
+    settings = parse_serve_argv(argv)
+    assert settings.engine.model_dump() == engine.model_dump()
+    assert settings.server.model_dump() == server.model_dump()
+    # Unset fields are not rendered: the server applies its own defaults.
+    assert serve_argv(EngineConfig(), ServerConfig()) == []

@@ -1,9 +1,12 @@
 """Rendering an InferenceService into its children, and computing its status (pure, no cluster)."""
 
 import copy
+import dataclasses
+from pathlib import Path
 from typing import Any, get_args
 
 import pytest
+import yaml
 
 from conveyor.operator.plan import plan_for_spec
 from conveyor.operator.render import (
@@ -341,40 +344,75 @@ def test_status_for_a_spec_that_does_not_fit() -> None:
     assert status["replicas"] == 0
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {},
-        {"resources": {"gpusPerReplica": 2}, "model": {"dtype": "bfloat16"}},
-        {
-            "engine": {
-                "maxNumBatchedTokens": 4096,
-                "enablePrefixCaching": False,
-                "enableChunkedPrefill": False,
-            }
-        },
-    ],
-)
-def test_server_args_parse_with_the_servers_own_cli(extra: dict[str, Any]) -> None:
-    """The Deployment's args are accepted by `conveyor serve` and mean what the plan says."""
-    from conveyor.server.cli import build_parser
+ENGINE_OVERRIDES = [
+    {},
+    {"model": {"dtype": "bfloat16"}},
+    {"model": {"dtype": "float16"}},
+    {"engine": {"maxNumSeqs": 3}},
+    {"engine": {"maxNumBatchedTokens": 4096}},
+    {"engine": {"gpuMemoryUtilization": 0.5}},
+    {"engine": {"blockSize": 32}},
+    {"engine": {"enablePrefixCaching": False}},
+    {"engine": {"enableChunkedPrefill": False, "maxNumBatchedTokens": 4096}},
+    {"engine": {"extraArgs": ["--seed", "7", "--scheduling-policy=priority", "--kv-cache-memory", "1024"]}},
+]
 
-    spec = _spec(**extra)
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("extra", ENGINE_OVERRIDES, ids=lambda e: str(e))
+def test_server_args_pass_the_servers_full_config_validation(
+    extra: dict[str, Any], tensor_parallel_size: int
+) -> None:
+    """The Deployment's args are accepted by `conveyor serve`'s own checks (argparse, then the config
+    models: the check a `--tensor-parallel-size 4` once failed at start) and mean what the plan says."""
+    from conveyor.server.cli import parse_serve_argv
+
+    resources = {"resources": {"gpusPerReplica": tensor_parallel_size}}
+    spec = _spec(**copy.deepcopy(extra), **resources)
     plan = plan_for_spec(spec)
-    args = build_parser().parse_args(server_args(spec, plan))
-    assert args.command == "serve"
-    assert args.model == "meta-llama/Meta-Llama-3-8B-Instruct"
-    assert args.served_model_name == "llama-3-8b"
-    assert args.dtype == spec.model.dtype
-    assert args.max_model_len == spec.model.max_model_len
-    assert args.max_num_seqs == plan.max_num_seqs
-    assert args.gpu_memory_utilization == spec.engine.gpu_memory_utilization
-    assert args.tensor_parallel_size == spec.tensor_parallel_size
-    assert args.block_size == spec.engine.block_size
-    assert args.enable_prefix_caching is spec.engine.enable_prefix_caching
-    assert args.enable_chunked_prefill is spec.engine.enable_chunked_prefill
-    assert args.max_num_batched_tokens == spec.engine.max_num_batched_tokens
-    assert (args.host, args.port) == ("0.0.0.0", 8000)
+    args = server_args(spec, plan)
+    assert args[0] == "serve"
+    settings = parse_serve_argv(args[1:])
+    engine, server = settings.engine, settings.server
+    assert engine.model.model == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert engine.model.served_model_name == "llama-3-8b"
+    assert engine.model.dtype == spec.model.dtype
+    assert engine.model.max_model_len == spec.model.max_model_len
+    assert engine.scheduler.max_num_seqs == plan.max_num_seqs
+    assert engine.cache.gpu_memory_utilization == spec.engine.gpu_memory_utilization
+    assert engine.parallel.tensor_parallel_size == tensor_parallel_size
+    assert engine.cache.block_size == spec.engine.block_size
+    assert engine.cache.enable_prefix_caching is spec.engine.enable_prefix_caching
+    assert engine.scheduler.enable_chunked_prefill is spec.engine.enable_chunked_prefill
+    assert engine.scheduler.max_num_batched_tokens == (spec.engine.max_num_batched_tokens or 2048)
+    assert (server.host, server.port) == ("0.0.0.0", 8000)
+    if spec.engine.extra_args:
+        assert (engine.model.seed, engine.scheduler.scheduling_policy) == (7, "priority")
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_renders_arguments_the_server_accepts(path: Path) -> None:
+    """Each example (the 70B one at tensor parallel 4 too) starts a server that accepts its arguments."""
+    from conveyor.server.cli import parse_serve_argv
+
+    spec = parse_spec(yaml.safe_load(path.read_text())["spec"])
+    plan = plan_for_spec(spec)
+    settings = parse_serve_argv(server_args(spec, plan)[1:])
+    assert settings.engine.parallel.tensor_parallel_size == spec.tensor_parallel_size
+    assert settings.engine.scheduler.max_num_seqs == plan.max_num_seqs
+
+
+def test_server_args_the_server_would_refuse_are_an_error_not_a_pod() -> None:
+    from conveyor.server.cli import ServeArgsError
+
+    spec = _spec(engine={"enableChunkedPrefill": False})
+    plan = plan_for_spec(spec)
+    bad = dataclasses.replace(plan, max_num_seqs=0)  # a plan the server's config refuses
+    with pytest.raises(ServeArgsError, match="--max-num-seqs: Input should be greater than or equal to 1"):
+        server_args(spec, bad)
 
 
 THREE_TARGETS = {

@@ -1,14 +1,15 @@
 """The InferenceService spec model and the CRD generated from it (no cluster)."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import yaml
 from pydantic import ValidationError
+from pydantic.alias_generators import to_camel
 
 from conveyor.operator import crd
-from conveyor.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, parse_spec
+from conveyor.operator.spec import DEFAULT_IMAGE, EngineSpec, InferenceServiceSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATHS = [REPO / "crds" / crd.CRD_FILENAME, REPO / "charts" / "conveyor" / "crds" / crd.CRD_FILENAME]
@@ -205,8 +206,42 @@ def test_examples_parse_and_plan(path: Path) -> None:
     assert plan.max_num_seqs >= 1
 
 
-def test_there_are_two_examples() -> None:
-    assert len(EXAMPLES) == 2
+def test_there_are_three_examples() -> None:
+    assert [p.name for p in EXAMPLES] == [
+        "llama-3-70b-4xa100.yaml",
+        "llama-3-8b-a100.yaml",
+        "smollm2-135m-l4.yaml",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "server_field"),
+    [
+        ("max_num_seqs", "scheduler.max_num_seqs"),
+        ("max_num_batched_tokens", "scheduler.max_num_batched_tokens"),
+        ("gpu_memory_utilization", "cache.gpu_memory_utilization"),
+        ("block_size", "cache.block_size"),
+        ("enable_chunked_prefill", "scheduler.enable_chunked_prefill"),
+        ("enable_prefix_caching", "cache.enable_prefix_caching"),
+    ],
+)
+def test_engine_spec_takes_the_servers_bounds_and_defaults(field: str, server_field: str) -> None:
+    """The CRD accepts no engine value `conveyor serve` refuses, and defaults to the server's."""
+    from conveyor.server.config import EngineConfig
+
+    group, name = server_field.split(".")
+    server_model = type(getattr(EngineConfig(), group))
+    ours = EngineSpec.model_json_schema()["properties"][to_camel(field)]
+    theirs = server_model.model_json_schema()["properties"][name]
+    for bound in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if "enum" not in ours else ():
+        bounded = [s.get(bound) for s in (theirs, *theirs.get("anyOf", [])) if bound in s]
+        mine = [s.get(bound) for s in (ours, *ours.get("anyOf", [])) if bound in s]
+        assert mine == bounded, f"{field}: {bound} {mine} vs the server's {bounded}"
+    if EngineSpec.model_fields[field].default is not None:
+        assert EngineSpec.model_fields[field].default == server_model.model_fields[name].default
+    for value in get_args(EngineSpec.model_fields[field].annotation):  # blockSize: 8, 16, 32
+        if isinstance(value, int) and not isinstance(value, bool):
+            server_model(**{name: value})
 
 
 def test_conveyor_cli_routes_crd_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
