@@ -10,7 +10,8 @@ Pure Python: no torch import, so the operator image stays small. Formulas (DESIG
     num_kv_blocks      = floor(kv_pool_bytes / (kv_bytes_per_token_all_gpus * block_size))
 
 `kv_bytes_per_token` is reported per GPU (what one GPU stores for one token); the pool spans all
-`num_gpus`, so pool divisions use the per-token bytes summed over the tensor-parallel group.
+`num_gpus`, so pool divisions use the per-token bytes summed over the tensor-parallel group. `partition`
+is how tensor parallelism splits a model's heads over ranks, the rule behind `num_kv_heads / tp`.
 """
 
 from __future__ import annotations
@@ -135,3 +136,66 @@ def plan_capacity(
 def num_kv_blocks_for_pool(kv_pool_bytes: int, kv_bytes_per_token_all_gpus: int, block_size: int) -> int:
     """Blocks of `block_size` tokens that fit in a pool of `kv_pool_bytes` bytes (server start-up)."""
     return kv_pool_bytes // (kv_bytes_per_token_all_gpus * block_size)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One rank's share of a model (counts, and the first index of its slice in the full model).
+
+    `vocab_per_rank` rows per rank, the last rank's padded with zero rows past `vocab_size`.
+    """
+
+    rank: int
+    size: int
+    num_heads: int
+    head_start: int
+    num_kv_heads: int
+    kv_head_start: int
+    intermediate_size: int
+    vocab_per_rank: int
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+
+def partition(
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    rank: int,
+    size: int,
+    setting: str = "--tensor-parallel-size",
+) -> Partition:
+    """Rank `rank`'s share of a model split over `size` tensor-parallel ranks (Megatron-LM's split of
+    heads and MLP rows; KV heads replicated when fewer than ranks, as vLLM does).
+
+    Raises ValueError naming `setting`, its value and the model's number when `size` does not divide
+    the attention heads or the MLP's intermediate size, or when the KV heads neither split over nor
+    replicate evenly across the ranks.
+    """
+    flag = f"{setting} {size}"
+    if num_heads % size:
+        raise ValueError(f"{flag} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(
+            f"{flag} neither divides the model's {num_kv_heads} KV heads nor is a multiple of them"
+        )
+    if intermediate_size % size:
+        raise ValueError(f"{flag} does not divide the model's MLP intermediate size {intermediate_size}")
+    heads = num_heads // size
+    if num_kv_heads >= size:
+        kv_heads, kv_start = num_kv_heads // size, rank * (num_kv_heads // size)
+    else:  # replicated: ranks [k * r, (k + 1) * r) share KV head k, r = size / num_kv_heads
+        kv_heads, kv_start = 1, rank // (size // num_kv_heads)
+    return Partition(
+        rank=rank,
+        size=size,
+        num_heads=heads,
+        head_start=rank * heads,
+        num_kv_heads=kv_heads,
+        kv_head_start=kv_start,
+        intermediate_size=intermediate_size // size,
+        vocab_per_rank=-(-vocab_size // size),
+    )

@@ -284,6 +284,7 @@ def serve(settings: ServeSettings) -> int:
     signal.signal(signal.SIGTERM, _raise_terminated)
     with contextlib.suppress(KeyboardInterrupt, _Terminated):
         server.run()
+    engine.close()  # tensor-parallel workers, if any
     return 0 if server.started else 3  # uvicorn.run's exit status when startup fails
 
 

@@ -25,7 +25,10 @@ from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.engine.structured_output import StructuredOutputManager
 from conveyor.server.engine.validation import validate_request
 from conveyor.server.model import loader
+from conveyor.server.model.models.llama import ModelShape
+from conveyor.server.model.parallel import partition
 from conveyor.server.model.runner import ModelRunner
+from conveyor.server.model.worker import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, observer: StatsObserver | None = None) -> None:
         self.config = config
-        mc, cc, dc = config.model, config.cache, config.device
+        mc, dc = config.model, config.device
         device_type = dc.device if dc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch finds no CUDA device")
@@ -100,7 +103,40 @@ class LLMEngine:
         backend, ops = select_backend(dc.attention_backend, device_type)
         logger.info("device %s, dtype %s (%s), kernel backend %s", self.device, self.dtype, why, backend)
         self.tokenizer = loader.load_tokenizer(source, mc.load_format)
-        self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops, mc.load_format)
+        self.workers = self._start_workers(source, hf_config, backend, device_type)
+        try:
+            self._build(config, source, hf_config, ops, observer)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(self, source, hf_config, backend: str, device_type: str) -> Workers | None:
+        """The other ranks of a tensor-parallel replica (None at --tensor-parallel-size 1), started
+        after checking that the size splits the model. Raises ValueError naming both numbers."""
+        size = self.config.parallel.tensor_parallel_size
+        if size == 1:
+            return None
+        shape = ModelShape.from_hf_config(hf_config)
+        partition(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, 0, size)
+        if device_type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(
+                f"--tensor-parallel-size {size} needs {size} CUDA devices; torch finds "
+                f"{torch.cuda.device_count()}"
+            )
+        rank_config = {
+            "source": source,
+            "dtype": self.dtype,
+            "device_type": device_type,
+            "backend": backend,
+            "load_format": self.config.model.load_format,
+            "block_size": self.config.cache.block_size,
+        }
+        return Workers(rank_config, size, self.device)
+
+    def _build(self, config: EngineConfig, source, hf_config, ops, observer: StatsObserver | None) -> None:
+        mc, cc = config.model, config.cache
+        tp = self.workers.tp if self.workers is not None else None
+        self.model = loader.load_model(source, hf_config, self.dtype, self.device, ops, mc.load_format, tp)
         shape = self.model.shape
         self.vocab_size = shape.vocab_size
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -112,7 +148,7 @@ class LLMEngine:
             )
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.kv_bytes_per_token = capacity.kv_bytes_per_token(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_name
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_name, tp.size if tp else 1
         )
         pool_bytes = self._kv_pool_bytes(ops)
         num_blocks = capacity.num_kv_blocks_for_pool(pool_bytes, self.kv_bytes_per_token, cc.block_size)
@@ -157,13 +193,20 @@ class LLMEngine:
         self.limits = EngineLimits(
             cc.block_size, num_blocks, max_num_seqs, sc.max_num_batched_tokens, self.max_model_len
         )
-        self.runner = ModelRunner(self.model, ops, num_blocks, cc.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model, ops, num_blocks, cc.block_size, self.dtype, self.device, self.workers
+        )
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self.output_processor = OutputProcessor(
             self.tokenizer, self.structured_output, self.max_model_len, observer
         )
         self.global_generator = torch.Generator().manual_seed(mc.seed)
         self.stats = EngineStats()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @property
     def observer(self) -> StatsObserver | None:
@@ -185,7 +228,9 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats()
         num_tokens = self.config.scheduler.max_num_batched_tokens
         probe_blocks = -(-num_tokens // cc.block_size)
-        probe = ModelRunner(self.model, ops, probe_blocks, cc.block_size, self.dtype, self.device)
+        probe = ModelRunner(
+            self.model, ops, probe_blocks, cc.block_size, self.dtype, self.device, self.workers
+        )
         probe.profile(num_tokens)
         peak = torch.cuda.max_memory_allocated()
         del probe

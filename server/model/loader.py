@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 
 from conveyor.kernels import onednn
 from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
+from conveyor.server.model.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -163,24 +165,64 @@ def load_tokenizer(source: ModelSource, load_format: str = "auto"):
     return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
 
 
+class SafetensorsWeights(Mapping):
+    """A checkpoint directory's tensors by name, each read from its `*.safetensors` file only when asked
+    (so a tensor-parallel rank never holds more than one full tensor beside its shard)."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self._files = {}
+        for path in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                self._files.update(dict.fromkeys(f.keys(), path))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
 def load_model(
-    source: ModelSource, config, dtype: torch.dtype, device: torch.device, ops, load_format: str = "auto"
+    source: ModelSource,
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops,
+    load_format: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Build our model with `ops` kernels and copy the weights transformers loads (dequantized), or
-    with `load_format="dummy"` fill it with random weights (see the module docstring)."""
+    """Build our model (this rank's shard under `tp`) with `ops` kernels and copy its weights, or with
+    `load_format="dummy"` fill it with random weights (see the module docstring).
+
+    Weights come straight from the directory's safetensors files when it has them, else through
+    transformers (hub ids, `.bin` checkpoints, a GGUF read directly), dequantized. Raises ValueError
+    when `tp` does not split the model.
+    """
     shape = ModelShape.from_hf_config(config)
     if load_format == "dummy":
-        model = _dummy_model(shape, dtype, device, ops)
+        model = _dummy_model(shape, dtype, device, ops, tp)
     else:
-        from transformers import AutoModelForCausalLM
-
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            source.path, gguf_file=source.gguf_file, dtype=torch.float32 if source.gguf_file else dtype
-        )
         with torch.device(device):
-            model = LlamaForCausalLM(shape, ops)
-        model.load_hf_state_dict(hf_model.state_dict())
-        del hf_model
+            model = LlamaForCausalLM(shape, ops, tp)
+        directory = Path(source.path)
+        if source.gguf_file is None and any(directory.glob("*.safetensors")):
+            model.load_hf_state_dict(SafetensorsWeights(directory))
+        else:
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                source.path, gguf_file=source.gguf_file, dtype=torch.float32 if source.gguf_file else dtype
+            )
+            model.load_hf_state_dict(hf_model.state_dict())
+            del hf_model
         # Parameters only: the rotary table stays float32 (as transformers keeps it).
         for param in model.parameters():
             param.data = param.data.to(dtype)
@@ -191,14 +233,16 @@ def load_model(
 
 
 @torch.no_grad()
-def _dummy_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, ops) -> LlamaForCausalLM:
+def _dummy_model(
+    shape: ModelShape, dtype: torch.dtype, device: torch.device, ops, tp: TensorParallel | None
+) -> LlamaForCausalLM:
     # Parameters are created in `dtype` directly (an 8B model in float32 first would need 32 GB), the
     # rotary table in float32 as for loaded weights.
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(shape, ops)
+            model = LlamaForCausalLM(shape, ops, tp)
     finally:
         torch.set_default_dtype(default)
     model.cos_sin_cache = model.cos_sin_cache.float()

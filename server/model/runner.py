@@ -3,12 +3,15 @@
 No policy here: the scheduler decided who runs and how many tokens each computes. The runner owns the
 KV cache tensors (one key and one value tensor per layer, `[num_blocks, block_size, num_kv_heads,
 head_dim]`) and builds, without padding, the step's token ids, positions, slot mapping, block tables
-and query/sequence lengths.
+and query/sequence lengths (`ModelInput`); under tensor parallelism rank 0 builds it once and every rank
+runs the model on it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,11 +21,34 @@ from conveyor.server.engine.scheduler import SchedulerOutput
 from conveyor.server.model.models.llama import AttentionMetadata, LlamaForCausalLM
 from conveyor.server.model.sampler import SamplerOutput, sample
 
+if TYPE_CHECKING:
+    from conveyor.server.model.worker import Workers
+
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ModelInput:
+    """One step's packed batch, built on the CPU (rank 0 sends it to the other ranks as it is).
+
+    input_ids, positions: `[num_tokens]` int64; meta: the step's AttentionMetadata; logits_rows:
+    `[num_sampling_rows]` int64 indices of the tokens whose logits are sampled (each sampling
+    request's last token).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+
+
 class ModelRunner:
-    """Runs `model` over paged KV caches of `num_blocks` blocks of `block_size` tokens."""
+    """Runs `model` over paged KV caches of `num_blocks` blocks of `block_size` tokens.
+
+    Under tensor parallelism every rank has a runner over its shard and its share of the KV cache (its
+    KV heads); rank 0's runner also has `workers` (the other ranks, `conveyor.server.model.worker`),
+    which it tells to allocate and run each step with it.
+    """
 
     def __init__(
         self,
@@ -32,26 +58,36 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        workers: Workers | None = None,
     ) -> None:
         self.model = model
         self.ops = ops
         self.block_size = block_size
+        self.dtype = dtype
         self.device = device
-        shape = model.shape
-        cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        self.workers = workers
+        self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(Re)allocate the KV cache: one key and one value tensor per layer, `[num_blocks, block_size,
+        num_kv_heads of this rank, head_dim]`."""
+        if self.workers is not None:
+            self.workers.tell("allocate_kv_cache", num_blocks)
+        self.kv_caches = []  # the old pool is freed first
+        shape = self.model.shape
+        cache_shape = (num_blocks, self.block_size, self.model.partition.num_kv_heads, shape.head_dim)
         # torch.empty: on CPU the pages are only touched when blocks are first written.
         self.kv_caches = [
             (
-                torch.empty(cache_shape, dtype=dtype, device=device),
-                torch.empty(cache_shape, dtype=dtype, device=device),
+                torch.empty(cache_shape, dtype=self.dtype, device=self.device),
+                torch.empty(cache_shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(shape.num_layers)
         ]
 
-    @torch.inference_mode()
-    def execute(self, schedule: SchedulerOutput) -> tuple[list[str], SamplerOutput]:
-        """Run one step. Returns the ids of the requests that sampled a token, and the samples in that
-        order (requests mid-way through a chunked prefill compute K/V only)."""
+    def prepare_inputs(self, schedule: SchedulerOutput) -> ModelInput:
+        """The step's token ids, positions, slot mapping, block tables and query/sequence lengths,
+        without padding, in schedule order."""
         scheduled = schedule.scheduled
         bs = self.block_size
         input_ids: list[int] = []
@@ -73,46 +109,75 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + sched.num_new_tokens)
             seq_lens.append(end)
             block_tables[row, : len(table)] = table
-
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            block_tables=torch.from_numpy(block_tables),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             max_query_len=max(s.num_new_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev),
-            self.kv_caches,
-            meta,
+        rows = [query_start_loc[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.from_numpy(np.concatenate(positions)),
+            meta=meta,
+            logits_rows=torch.tensor(rows, dtype=torch.long),
         )
-        sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
-        if not sampling_rows:
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInput) -> torch.Tensor | None:
+        """The model over `inputs`, writing their K/V into the cache. Returns float32 logits `[num_rows,
+        vocab_size]` on the CPU for `inputs.logits_rows` (None when there are none, and on ranks other
+        than 0)."""
+        dev = self.device
+        meta = inputs.meta
+        if dev.type != "cpu":
+            meta = AttentionMetadata(
+                slot_mapping=meta.slot_mapping.to(dev),
+                block_tables=meta.block_tables.to(dev),
+                query_start_loc=meta.query_start_loc.to(dev),
+                seq_lens=meta.seq_lens.to(dev),
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+            )
+        hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches, meta)
+        if not len(inputs.logits_rows):
+            return None
+        logits = self.model.compute_logits(hidden[inputs.logits_rows.to(dev)])
+        return None if logits is None else logits.to("cpu", torch.float32)
+
+    @torch.inference_mode()
+    def execute(self, schedule: SchedulerOutput) -> tuple[list[str], SamplerOutput]:
+        """Run one step (on every rank). Returns the ids of the requests that sampled a token, and the
+        samples in that order (requests mid-way through a chunked prefill compute K/V only)."""
+        inputs = self.prepare_inputs(schedule)
+        if self.workers is not None:
+            self.workers.tell("forward", inputs)
+        logits = self.forward(inputs)
+        if logits is None:
             return [], SamplerOutput([], [])
-        last_token_rows = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows], device=dev)
-        logits = self.model.compute_logits(hidden[last_token_rows]).to("cpu", torch.float32)
-        requests = [scheduled[i].request for i in sampling_rows]
+        requests = [s.request for s in schedule.scheduled if s.samples]
         return [r.request_id for r in requests], sample(logits, requests)
 
     @torch.inference_mode()
     def profile(self, num_tokens: int) -> None:
-        """One forward pass of a single `num_tokens`-token prompt, to measure peak activation memory.
-
-        The runner must have at least `ceil(num_tokens / block_size)` blocks.
-        """
+        """One forward pass of a single `num_tokens`-token prompt (on every rank), to measure peak
+        activation memory. The runner must have at least `ceil(num_tokens / block_size)` blocks."""
         num_blocks = -(-num_tokens // self.block_size)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=dev),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None, :],
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
+        inputs = ModelInput(
+            input_ids=torch.zeros(num_tokens, dtype=torch.long),
+            positions=torch.arange(num_tokens),
+            meta=AttentionMetadata(
+                slot_mapping=torch.arange(num_tokens),
+                block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
+                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+                seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+                max_query_len=num_tokens,
+                max_seq_len=num_tokens,
+            ),
+            logits_rows=torch.tensor([num_tokens - 1]),
         )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        hidden = self.model(ids, torch.arange(num_tokens, device=dev), self.kv_caches, meta)
-        self.model.compute_logits(hidden[-1:])
+        if self.workers is not None:
+            self.workers.tell("forward", inputs)
+        self.forward(inputs)

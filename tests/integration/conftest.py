@@ -105,3 +105,56 @@ def server() -> Iterator[LiveServer]:
     yield LiveServer(f"http://127.0.0.1:{port}", app)
     uv.should_exit = True
     thread.join(timeout=30)
+
+
+def _byte_level_tokenizer():
+    """A 258-token byte-level tokenizer (256 bytes + BOS + EOS): any text, no download, fast to load."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<s>": 256, "</s>": 257})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="session")
+def save_tiny_llama(tmp_path_factory: pytest.TempPathFactory):
+    """`save_tiny_llama(name, **config)`: a 2-layer Llama (head_dim 64, hidden 256) with random weights
+    (seed 0) and a byte-level tokenizer, saved in Hugging Face layout; returns its directory. `config`
+    overrides transformers' LlamaConfig fields (heads, KV heads, ...)."""
+    import torch
+    import transformers
+
+    def save(name: str, **config) -> str:
+        path = tmp_path_factory.mktemp(name)
+        tokenizer = _byte_level_tokenizer()
+        heads = config.get("num_attention_heads", 4)
+        llama_config = transformers.LlamaConfig(
+            **{
+                "vocab_size": len(tokenizer),
+                "hidden_size": 64 * heads,
+                "intermediate_size": 512,
+                "num_hidden_layers": 2,
+                "num_attention_heads": heads,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+                "max_position_embeddings": 256,
+                "rope_theta": 10000.0,
+                # Larger than the default 0.02 so the random model's logits are peaked: greedy ties would
+                # make comparisons depend on float rounding instead of on the code under test.
+                "initializer_range": 0.2,
+                "tie_word_embeddings": False,
+                "bos_token_id": 256,
+                "eos_token_id": 257,
+                **config,
+            }
+        )
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(llama_config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return str(path)
+
+    return save

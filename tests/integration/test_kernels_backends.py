@@ -626,46 +626,10 @@ print(tk.__file__)
 # --- end to end: the engine with either backend --------------------------------------------------
 
 
-def _byte_level_tokenizer():
-    """A 258-token byte-level tokenizer (256 bytes + BOS + EOS): any text, no download, fast to load."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<s>": 256, "</s>": 257})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-
-
 @pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A 2-layer Llama (GQA 4:2, head_dim 64) with random weights and a byte-level tokenizer, saved in
-    Hugging Face layout."""
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = _byte_level_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        # Larger than the default 0.02 so the random model's logits are peaked: greedy ties would make
-        # the comparison depend on float rounding instead of on the kernels.
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+def tiny_llama_dir(save_tiny_llama) -> str:
+    """A 2-layer Llama (GQA 4:2, head_dim 64) with random weights and a byte-level tokenizer."""
+    return save_tiny_llama("tiny-llama", num_attention_heads=4, num_key_value_heads=2)
 
 
 def _greedy_tokens(model_dir: str, backend: str, prompts: list[str]) -> list[list[int]]:

@@ -4,7 +4,8 @@ One forward pass runs every token of the step at once: `[num_tokens, hidden_size
 padding. Attention, norms, rotary embedding and the MLP gate call the kernel backend
 (`conveyor.kernels.load_backend`), so the same model runs the C++ kernels (or the torch references) on
 CPU and the Triton kernels on CUDA. Projections are fused as in vLLM (q/k/v into one matmul, gate/up
-into one).
+into one). Under tensor parallelism (`conveyor.server.model.parallel`) each rank builds the layers of its
+shard and the model sums row-parallel outputs and the vocabulary-parallel embedding over ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.reference import rope_cos_sin_cache
+from conveyor.server.model.parallel import Partition, TensorParallel, partition
 
 
 @dataclass
@@ -96,19 +98,22 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, ops: KernelBackend) -> None:
+    """Column-parallel q/k/v (this rank's heads), paged attention, row-parallel output projection."""
+
+    def __init__(self, shape: ModelShape, ops: KernelBackend, part: Partition, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = shape.num_heads
-        self.num_kv_heads = shape.num_kv_heads
+        self.num_heads = part.num_heads
+        self.num_kv_heads = part.num_kv_heads
         self.head_dim = shape.head_dim
-        self.q_size = shape.num_heads * shape.head_dim
-        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.q_size = part.num_heads * shape.head_dim
+        self.kv_size = part.num_kv_heads * shape.head_dim
         self.qkv_proj = nn.Linear(
             shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
         self.scale = shape.head_dim**-0.5
         self.ops = ops
+        self.tp = tp
 
     def forward(
         self,
@@ -137,27 +142,30 @@ class LlamaAttention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: ModelShape, ops: KernelBackend) -> None:
+    """Column-parallel gate/up (this rank's `intermediate_size / tp`), row-parallel down projection."""
+
+    def __init__(self, shape: ModelShape, ops: KernelBackend, part: Partition, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * part.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(part.intermediate_size, shape.hidden_size, bias=False)
         self.ops = ops
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, ops: KernelBackend) -> None:
+    def __init__(self, shape: ModelShape, ops: KernelBackend, part: Partition, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.self_attn = LlamaAttention(shape, ops)
+        self.self_attn = LlamaAttention(shape, ops, part, tp)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.mlp = LlamaMLP(shape, ops)
+        self.mlp = LlamaMLP(shape, ops, part, tp)
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -167,15 +175,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects chosen rows."""
+    """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects chosen rows.
 
-    def __init__(self, shape: ModelShape, ops: KernelBackend) -> None:
+    With `tp` of size > 1 this is one rank's shard (`partition`): its heads, MLP rows and vocabulary
+    rows; every rank runs `forward` and `compute_logits` on the same inputs. Raises ValueError when the
+    tensor-parallel size does not split the model (naming both numbers).
+    """
+
+    def __init__(self, shape: ModelShape, ops: KernelBackend, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.shape = shape
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, ops) for _ in range(shape.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        self.partition = part = partition(
+            shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, tp.rank, tp.size
+        )
+        vocab_rows = part.vocab_per_rank if tp.size > 1 else shape.vocab_size
+        self.embed_tokens = nn.Embedding(vocab_rows, shape.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, ops, part, tp) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer(
@@ -186,6 +204,15 @@ class LlamaForCausalLM(nn.Module):
             persistent=False,
         )
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: `[num_tokens]` int64 -> `[num_tokens, hidden_size]` (vocabulary-parallel lookup)."""
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.partition.vocab_start
+        outside = (local < 0) | (local >= self.partition.vocab_per_rank)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -194,40 +221,75 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: `[num_tokens]` int64. Returns hidden states `[num_tokens, hidden_size]`."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: `[num_rows, hidden_size]` -> logits `[num_rows, vocab_size]`."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: `[num_rows, hidden_size]` -> logits `[num_rows, vocab_size]` (on rank 0; None on the
+        other ranks of a tensor-parallel group)."""
+        return self.tp.gather_logits(self.lm_head(hidden), self.shape.vocab_size)
 
     @torch.no_grad()
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy weights from a transformers Llama-family `state_dict`, fusing q/k/v and gate/up.
+    def load_hf_state_dict(self, state_dict) -> None:
+        """Copy this rank's shard of a transformers Llama-family checkpoint, fusing q/k/v and gate/up.
 
-        Raises KeyError naming a missing tensor.
+        `state_dict` maps checkpoint names to tensors (a dict, or a lazy mapping that reads each tensor
+        when asked). Raises KeyError naming a missing tensor.
         """
-        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
-        self.embed_tokens.weight.copy_(sd["embed_tokens.weight"])
-        self.norm.weight.copy_(sd["norm.weight"])
+        part, hd = self.partition, self.shape.head_dim
+        tp = self.tp.size > 1
+
+        def get(name: str) -> torch.Tensor:
+            for key in (name, "model." + name):
+                if key in state_dict:
+                    return state_dict[key]
+            raise KeyError(name)
+
+        def rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+            return t[start : start + count] if tp else t
+
+        def cols(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+            return t[:, start : start + count] if tp else t
+
+        def vocab(t: torch.Tensor) -> torch.Tensor:
+            if not tp:
+                return t
+            shard = t[part.vocab_start : part.vocab_start + part.vocab_per_rank]
+            padded = t.new_zeros(part.vocab_per_rank, *t.shape[1:])
+            padded[: shard.shape[0]] = shard
+            return padded
+
+        try:
+            embed = get("embed_tokens.weight")
+        except KeyError:
+            if not self.shape.tie_word_embeddings:
+                raise
+            embed = get("lm_head.weight")  # a tied table saved once, under the head's name
+        self.embed_tokens.weight.copy_(vocab(embed))
+        self.norm.weight.copy_(get("norm.weight"))
         if not self.shape.tie_word_embeddings:
-            self.lm_head.weight.copy_(state_dict["lm_head.weight"])
+            self.lm_head.weight.copy_(vocab(get("lm_head.weight")))
+        q_rows = (part.head_start * hd, part.num_heads * hd)
+        kv_rows = (part.kv_head_start * hd, part.num_kv_heads * hd)
+        mlp_rows = (part.rank * part.intermediate_size, part.intermediate_size)
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(
-                torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
-            )
+
+            def qkv(kind: str, p: str = p) -> torch.Tensor:
+                q, k, v = (get(p + f"self_attn.{n}_proj.{kind}") for n in "qkv")
+                return torch.cat([rows(q, *q_rows), rows(k, *kv_rows), rows(v, *kv_rows)])
+
+            attn.qkv_proj.weight.copy_(qkv("weight"))
             if attn.qkv_proj.bias is not None:
-                attn.qkv_proj.bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
-            attn.o_proj.weight.copy_(sd[p + "self_attn.o_proj.weight"])
-            layer.mlp.gate_up_proj.weight.copy_(
-                torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
-            )
-            layer.mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
-            layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+                attn.qkv_proj.bias.copy_(qkv("bias"))
+            attn.o_proj.weight.copy_(cols(get(p + "self_attn.o_proj.weight"), *q_rows))
+            gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
+            layer.mlp.gate_up_proj.weight.copy_(torch.cat([rows(gate, *mlp_rows), rows(up, *mlp_rows)]))
+            layer.mlp.down_proj.weight.copy_(cols(get(p + "mlp.down_proj.weight"), *mlp_rows))
+            layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
