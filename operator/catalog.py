@@ -70,6 +70,8 @@ class ModelShape:
     head_dim: int
     num_params: int
     max_position_embeddings: int | None
+    num_heads: int | None = None  # attention heads and MLP width: None for override-only shapes
+    intermediate_size: int | None = None
 
 
 # Total memory from `nvidia-smi --query-gpu=memory.total` (MiB); product labels from GPU feature
@@ -251,6 +253,8 @@ def _shape_from_hf_config(name: str, config: dict) -> ModelShape:
         head_dim=config.get("head_dim", config["hidden_size"] // heads),
         num_params=NUM_PARAMS[name],
         max_position_embeddings=config["max_position_embeddings"],
+        num_heads=heads,
+        intermediate_size=config["intermediate_size"],
     )
 
 
@@ -353,4 +357,6 @@ def resolve_model_shape(
         head_dim=head_dim or known.head_dim,
         num_params=num_params or known.num_params,
         max_position_embeddings=known.max_position_embeddings,
+        num_heads=known.num_heads,
+        intermediate_size=known.intermediate_size,
     )

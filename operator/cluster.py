@@ -4,6 +4,7 @@ stand-in with the same methods)."""
 from __future__ import annotations
 
 import fnmatch
+import logging
 import threading
 import time
 from typing import Any
@@ -12,7 +13,7 @@ from kubernetes import client, dynamic
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError, ResourceNotFoundError
 
-from conveyor.operator.render import FIELD_MANAGER, selector_string
+from conveyor.operator.render import FIELD_MANAGER, GPU_PRODUCT_LABEL, GPU_RESOURCE, selector_string
 from conveyor.operator.spec import GROUP, PLURAL, VERSION
 
 SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
@@ -57,6 +58,17 @@ def configuration(obj: dict[str, Any]) -> dict[str, Any]:
     }
     meta["annotations"] = annotations or None
     return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
+
+
+logger = logging.getLogger(__name__)
+
+
+def _quantity_int(value: str) -> int:
+    """A GPU count as a node reports it (a whole number); 0 when it is not one."""
+    try:
+        return int(value)
+    except ValueError:
+        return 0
 
 
 class Cluster:
@@ -189,6 +201,20 @@ class Cluster:
             if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
         ]
         return (len(messages), messages[0]) if messages else None
+
+    def largest_gpu_node(self, product_label: str | None) -> int | None:
+        """The most `nvidia.com/gpu` one node can give a pod (allocatable) among the nodes labelled
+        `nvidia.com/gpu.product=product_label` (every node with GPUs when None); None when there is no
+        such node (a cluster autoscaler may add one) or nodes cannot be listed (RBAC), logged."""
+        selector = f"{GPU_PRODUCT_LABEL}={product_label}" if product_label else None
+        try:
+            nodes = self.core.list_node(label_selector=selector).items
+        except ApiException as exc:
+            logger.warning("cannot list nodes to check replica sizes (%s %s)", exc.status, exc.reason)
+            return None
+        sizes = [_quantity_int((n.status.allocatable or {}).get(GPU_RESOURCE, "0")) for n in nodes]
+        sizes = [size for size in sizes if size > 0]
+        return max(sizes) if sizes else None
 
     def remove_env(self, namespace: str, name: str, container: str, names: list[str], env_from: bool) -> None:
         """Delete environment variables (and, with `env_from`, the whole envFrom list) from one

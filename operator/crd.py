@@ -102,6 +102,7 @@ def _status_schema() -> dict[str, Any]:
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
     {"name": "GPU", "type": "string", "jsonPath": ".spec.resources.gpuType"},
+    {"name": "TP", "type": "integer", "jsonPath": ".status.capacity.tensorParallelSize"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},

@@ -80,6 +80,7 @@ FAILURE_REASONS = {
     "UnknownModelError": "UnknownModel",
     "UnknownGPUTypeError": "UnknownGPUType",
     "MaxModelLenTooLongError": "MaxModelLenTooLong",
+    "TensorParallelSizeError": "InvalidTensorParallelSize",
 }
 # Ready=False reasons for children the API server refuses, by HTTP status (409: the name is taken by
 # an object another controller owns, e.g. the server Deployment of an InferenceService `x-router` and
@@ -257,6 +258,21 @@ def _foreign_env(rendered: dict[str, Any], would_be: dict[str, Any]) -> tuple[st
     return name, env, bool(theirs.get("envFrom")) and not ours.get("envFrom")
 
 
+def _replica_exceeds_node(cluster: Cluster, plan: SpecPlan) -> tuple[str, str] | None:
+    """A `ReplicaExceedsNode` failure when nodes with the replica's GPU exist and none has as many GPUs as
+    one replica needs (its ranks must share a node); None otherwise."""
+    largest = cluster.largest_gpu_node(plan.gpu_product_label)
+    if largest is None or largest >= plan.num_gpus:
+        return None
+    which = f"{plan.gpu_type} ({plan.gpu_product_label})" if plan.gpu_product_label else "GPU"
+    return (
+        "ReplicaExceedsNode",
+        f"a replica needs {plan.num_gpus} GPUs on one node (tensor parallel {plan.tensor_parallel_size}) "
+        f"but the largest {which} node has {largest} allocatable: lower resources.gpusPerReplica; "
+        "replicas spanning nodes are not supported yet",
+    )
+
+
 def _reconcile(
     cluster: Cluster, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter
 ) -> None:
@@ -282,7 +298,8 @@ def _reconcile(
             spec = parse_spec(body.get("spec") or {})
             planned = plan_for_spec(spec)
             server_args(spec, planned)  # what the pods would start with, checked as the server will
-            plan = planned
+            failure = _replica_exceeds_node(cluster, planned)
+            plan = planned if failure is None else None
     except ValidationError as exc:
         failure = ("InvalidSpec", validation_message(exc))
     except PlanningError as exc:

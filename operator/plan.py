@@ -27,7 +27,13 @@ from conveyor.operator.catalog import (
     resolve_model_shape,
 )
 from conveyor.operator.spec import InferenceServiceSpec
-from conveyor.server.capacity import CapacityPlan, InsufficientGPUMemoryError, dtype_bytes, plan_capacity
+from conveyor.server.capacity import (
+    CapacityPlan,
+    InsufficientGPUMemoryError,
+    dtype_bytes,
+    partition,
+    plan_capacity,
+)
 from conveyor.server.cli import add_model_flags
 from conveyor.server.config import CacheConfig, ModelConfig, ParallelConfig
 
@@ -71,8 +77,18 @@ class KVCacheTooSmallError(InsufficientGPUMemoryError):
         )
 
 
+class TensorParallelSizeError(ValueError):
+    """The tensor-parallel size does not split the model's heads (the server would refuse to start)."""
+
+
 #: Errors that make a spec impossible to plan; the operator reports them as status conditions.
-PlanningError = (UnknownModelError, UnknownGPUTypeError, InsufficientGPUMemoryError, MaxModelLenTooLongError)
+PlanningError = (
+    UnknownModelError,
+    UnknownGPUTypeError,
+    InsufficientGPUMemoryError,
+    MaxModelLenTooLongError,
+    TensorParallelSizeError,
+)
 
 
 @dataclass(frozen=True)
@@ -109,7 +125,7 @@ def parse_quantity(quantity: str) -> int:
 def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
     """Plan one replica of `spec`.
 
-    Raises UnknownModelError, UnknownGPUTypeError, MaxModelLenTooLongError, or
+    Raises UnknownModelError, UnknownGPUTypeError, MaxModelLenTooLongError, TensorParallelSizeError, or
     InsufficientGPUMemoryError (KVCacheTooSmallError when only the KV of one sequence is missing).
     """
     model = spec.model
@@ -123,6 +139,19 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
     )
     if shape.max_position_embeddings is not None and model.max_model_len > shape.max_position_embeddings:
         raise MaxModelLenTooLongError(model.max_model_len, shape.max_position_embeddings, shape.name)
+    if shape.num_heads is not None and shape.intermediate_size is not None:
+        try:  # the server's own rule (`conveyor serve` refuses these sizes at start)
+            partition(
+                shape.num_heads,
+                shape.num_kv_heads,
+                shape.intermediate_size,
+                1,
+                0,
+                spec.tensor_parallel_size,
+                setting="tensorParallelSize",
+            )
+        except ValueError as exc:
+            raise TensorParallelSizeError(str(exc).replace("the model's", f"{shape.name}'s")) from None
 
     resources = spec.resources
     if resources.gpu_memory is not None:

@@ -50,11 +50,12 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_RESOURCE = "nvidia.com/gpu"
 
-# Loading tens of GB of weights can take many minutes; the startup probe allows 30 minutes
-# (period x failureThreshold) before the kubelet gives up, while readiness and liveness stay tight
-# once the server is up.
+# Loading tens of GB of weights can take many minutes: the startup probe allows 30 minutes plus 6 s per
+# GiB of the replica's weights (a download at about 170 MiB/s, every tensor-parallel rank reading the
+# checkpoint) before the kubelet gives up; readiness and liveness stay tight once the server is up.
 STARTUP_PERIOD_SECONDS = 10
-STARTUP_FAILURE_THRESHOLD = 180
+STARTUP_BASE_SECONDS = 1800
+STARTUP_SECONDS_PER_GIB = 6
 
 MODELS_MOUNT = "/models"
 HF_HOME = "/models/hf-cache"
@@ -221,6 +222,13 @@ def server_args(spec: InferenceServiceSpec, plan: SpecPlan) -> list[str]:
     return ["serve", *args]
 
 
+def startup_seconds(plan: SpecPlan) -> int:
+    """How long a server pod may take to start (download and load its weights) before it is restarted:
+    STARTUP_BASE_SECONDS plus STARTUP_SECONDS_PER_GIB per GiB of weights, whole probe periods."""
+    seconds = STARTUP_BASE_SECONDS + STARTUP_SECONDS_PER_GIB * -(-plan.weight_bytes // (1 << 30))
+    return -(-seconds // STARTUP_PERIOD_SECONDS) * STARTUP_PERIOD_SECONDS
+
+
 def _probe(path: str, period: int, failure_threshold: int, timeout: int = 5) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": PORT_NAME},
@@ -302,7 +310,9 @@ def render_deployment(
         "env": _env(spec),
         "ports": [{"name": PORT_NAME, "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "resources": resources,
-        "startupProbe": _probe("/health", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD),
+        "startupProbe": _probe(
+            "/health", STARTUP_PERIOD_SECONDS, startup_seconds(plan) // STARTUP_PERIOD_SECONDS
+        ),
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
@@ -330,7 +340,7 @@ def render_deployment(
             # A new pod must be ready before an old one goes, so a rollout never drops capacity;
             # it needs one spare replica's worth of GPUs.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "progressDeadlineSeconds": STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD,
+            "progressDeadlineSeconds": startup_seconds(plan),
             "revisionHistoryLimit": 3,
             "template": {
                 "metadata": {

@@ -700,6 +700,9 @@ class Condition(_CamelModel):
 class CapacityStatus(_CamelModel):
     """The KV-capacity plan of one replica (bytes and sequences)."""
 
+    tensor_parallel_size: int | None = Field(
+        default=None, description="Ranks (GPUs) one replica's model is split over (--tensor-parallel-size)."
+    )
     kv_bytes_per_token: int = Field(description="KV bytes one GPU stores per token.")
     kv_pool_bytes: int = Field(description="KV-cache pool of one replica, all its GPUs.")
     num_kv_blocks: int = Field(description="KV blocks of blockSize tokens in the pool.")

@@ -51,9 +51,10 @@ def make_condition(
 
 
 def capacity_status(plan: SpecPlan) -> dict[str, Any]:
-    """`status.capacity`: the plan's numbers (bytes, sequences)."""
+    """`status.capacity`: the plan's numbers (bytes, sequences, ranks)."""
     cap = plan.capacity
     return {
+        "tensorParallelSize": plan.tensor_parallel_size,
         "kvBytesPerToken": cap.kv_bytes_per_token,
         "kvPoolBytes": cap.kv_pool_bytes,
         "numKvBlocks": cap.num_kv_blocks,

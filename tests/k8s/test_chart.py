@@ -164,6 +164,7 @@ OPERATOR_PERMISSIONS: list[tuple[str, str, str]] = [
     ],
     ("list", "", "pods"),
     ("watch", "", "pods"),
+    ("list", "", "nodes"),
     ("list", "serving.conveyor.dev", "inferenceservices"),
     ("watch", "apiextensions.k8s.io", "customresourcedefinitions"),
     ("patch", "apps", "deployments/scale"),

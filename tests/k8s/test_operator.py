@@ -97,13 +97,14 @@ def test_llama_example_reproduces_the_worked_example(env: Env) -> None:
         env.eventually(lambda: env.condition("llama-3-8b", "MetricsAvailable"), "the autoscaler's first step")
         table = env.kubectl("get", "cisvc", "llama-3-8b").stdout
         header, row = table.splitlines()
-        columns = ["NAME", "MODEL", "GPU", "READY", "REASON", "REPLICAS", "AVAILABLE", "DESIRED", "SCALING"]
-        assert header.split() == [*columns, "MAXSEQS", "AGE"]
+        columns = ["NAME", "MODEL", "GPU", "TP", "READY", "REASON", "REPLICAS", "AVAILABLE", "DESIRED"]
+        assert header.split() == [*columns, "SCALING", "MAXSEQS", "AGE"]
         # The example autoscales; this operator has no --prometheus-url, so the autoscaler holds.
-        assert row.split()[:10] == [
+        assert row.split()[:11] == [
             "llama-3-8b",
             "llama-3-8b",
             "a100-80gb",
+            "1",
             "True",
             "ReplicasReady",
             "1",
@@ -298,6 +299,23 @@ def test_too_large_model_reports_insufficient_memory_then_recovers(env: Env) -> 
         assert limits["nvidia.com/gpu"] == "4"
     finally:
         env.delete("big")
+
+
+def test_a_replica_larger_than_any_node_is_refused_naming_the_node_size(env: Env) -> None:
+    """The test bed's A100 nodes have 8 GPUs each: a 16-GPU replica cannot be placed (tensor-parallel
+    ranks share a node), so CapacityPlanned=False with the node size and no Deployment."""
+    env.apply(isvc("wide", model={"name": "llama-3-70b"}, resources={"gpusPerReplica": 16}))
+    try:
+        planned = env.eventually(
+            lambda: (c := env.condition("wide", "CapacityPlanned")) and c["status"] == "False" and c,
+            "CapacityPlanned=False",
+        )
+        assert planned["reason"] == "ReplicaExceedsNode"
+        assert "needs 16 GPUs on one node" in planned["message"]
+        assert "has 8 allocatable" in planned["message"]
+        assert env.get("deployment", "wide") is None
+    finally:
+        env.delete("wide")
 
 
 def test_delete_removes_every_child(env: Env) -> None:

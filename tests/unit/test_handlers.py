@@ -34,6 +34,7 @@ class FakeCluster:
         self.refuse: dict[str, tuple[int, str]] = {}
         self.discovery_refreshes = 0
         self.pending: tuple[int, str] | None = None
+        self.gpu_node_size: int | None = None  # largest_gpu_node's answer
         self._version = 0
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -70,6 +71,9 @@ class FakeCluster:
 
     def unschedulable(self, namespace: str, name: str) -> tuple[int, str] | None:
         return self.pending
+
+    def largest_gpu_node(self, product_label: str | None) -> int | None:
+        return self.gpu_node_size
 
     def refresh_discovery(self) -> None:
         self.discovery_refreshes += 1
@@ -209,6 +213,35 @@ def test_too_big_model_creates_nothing_then_recovers(events: list[tuple[str, str
         == "4"
     )
     assert cluster.status_patches[-1]["conditions"][0]["status"] == "True"
+
+
+def test_a_replica_larger_than_any_node_is_refused_naming_the_node_size(
+    events: list[tuple[str, str, str]],
+) -> None:
+    """70B on 16 GPUs per replica where the A100 nodes have 8: CapacityPlanned=False, reason
+    ReplicaExceedsNode, nothing created; on nodes of 16 it is created."""
+    spec = copy.deepcopy(TOO_BIG)
+    spec["resources"]["gpusPerReplica"] = 16
+    cluster = FakeCluster(spec)
+    cluster.gpu_node_size = 8
+    reconcile(cluster)
+    assert cluster.objects == {}
+    planned = cluster.status_patches[-1]["conditions"][0]
+    assert (planned["type"], planned["status"], planned["reason"]) == (
+        "CapacityPlanned",
+        "False",
+        "ReplicaExceedsNode",
+    )
+    assert planned["message"] == (
+        "a replica needs 16 GPUs on one node (tensor parallel 16) but the largest a100-80gb "
+        "(NVIDIA-A100-SXM4-80GB) node has 8 allocatable: lower resources.gpusPerReplica; replicas "
+        "spanning nodes are not supported yet"
+    )
+    assert [(t, r) for t, r, _ in events] == [("Warning", "ReplicaExceedsNode")]
+    cluster.gpu_node_size = 16
+    cluster.isvc["metadata"]["generation"] = 2
+    reconcile(cluster)
+    assert ("Deployment", NAME) in cluster.objects
 
 
 def test_an_impossible_edit_keeps_the_running_deployment(events: list[tuple[str, str, str]]) -> None:
@@ -371,3 +404,16 @@ def test_a_name_another_controller_owns_is_not_taken_over(events: list[tuple[str
         f"Deployment llama-router: {NAMESPACE}/llama-router already exists, controlled by "
         "InferenceService llama-router: rename one of them"
     )
+
+
+def test_a_tensor_parallel_size_the_server_would_refuse_is_a_condition_not_a_crash_loop(
+    events: list[tuple[str, str, str]],
+) -> None:
+    """Llama-3-8B has 32 attention heads: 3 GPUs at tensor parallel 3 cannot split them, and the server
+    would exit at start on every pod; the operator says so instead of creating them."""
+    cluster = FakeCluster({**LLAMA, "resources": {"gpuType": "a100-80gb", "gpusPerReplica": 3}})
+    reconcile(cluster)
+    assert cluster.objects == {}
+    planned = cluster.status_patches[-1]["conditions"][0]
+    assert (planned["status"], planned["reason"]) == ("False", "InvalidTensorParallelSize")
+    assert planned["message"] == "tensorParallelSize 3 does not divide llama-3-8b's 32 attention heads"

@@ -152,6 +152,7 @@ def test_deployment_resources_node_selector_probes_and_labels() -> None:
     startup = container["startupProbe"]
     assert startup["httpGet"] == {"path": "/health", "port": "http"}
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200, "slow model loads need time"
+
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     template_meta = dep["spec"]["template"]["metadata"]
@@ -163,6 +164,21 @@ def test_deployment_resources_node_selector_probes_and_labels() -> None:
     assert template_meta["labels"]["serving.conveyor.dev/inferenceservice"] == "llama"
     assert dep["spec"]["selector"]["matchLabels"] == {"serving.conveyor.dev/inferenceservice": "llama"}
     assert selector_string("llama") == "serving.conveyor.dev/inferenceservice=llama"
+
+
+def test_the_startup_window_grows_with_the_weights_a_replica_loads() -> None:
+    """Llama-3-70B at TP 4 (131 GiB of weights) gets longer to start than Llama-3-8B (15 GiB)."""
+    small = _deployment()
+    big_spec = _spec(model={"name": "llama-3-70b", "uri": None}, resources={"gpusPerReplica": 4})
+    big = _deployment(big_spec)
+
+    def window(dep: dict[str, Any]) -> int:
+        probe = dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        assert dep["spec"]["progressDeadlineSeconds"] == probe["periodSeconds"] * probe["failureThreshold"]
+        return probe["periodSeconds"] * probe["failureThreshold"]
+
+    assert window(small) == 1800 + 6 * 15
+    assert window(big) == 2600  # 1800 + 6 * 132, in whole 10 s probe periods
 
 
 def test_pvc_uri_mounts_the_claim_read_only() -> None:
@@ -251,6 +267,7 @@ def test_status_while_pods_start_and_when_ready() -> None:
     starting = _status(dep)
     assert starting["observedGeneration"] == 3
     assert starting["capacity"] == {
+        "tensorParallelSize": 1,
         "kvBytesPerToken": 131072,
         "kvPoolBytes": starting["capacity"]["kvPoolBytes"],
         "numKvBlocks": starting["capacity"]["kvPoolBytes"] // (131072 * 16),

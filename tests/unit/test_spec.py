@@ -165,6 +165,7 @@ def test_crd_names_subresources_and_columns() -> None:
     assert columns == [
         "Model",
         "GPU",
+        "TP",
         "Ready",
         "Reason",
         "Replicas",
@@ -177,6 +178,7 @@ def test_crd_names_subresources_and_columns() -> None:
     ]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert set(status["capacity"]["properties"]) == {
+        "tensorParallelSize",
         "kvBytesPerToken",
         "kvPoolBytes",
         "numKvBlocks",
