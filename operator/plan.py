@@ -272,9 +272,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=1, help="GPUs per replica")
     parser.add_argument("--gpu-memory", default=None, help="memory of one GPU (80Gi) for other GPUs")
     # The server's own flags, from its config models (`conveyor serve` takes them the same way).
-    add_model_flags(parser, ModelConfig, only={"dtype", "max_model_len"})
+    add_model_flags(
+        parser,
+        ModelConfig,
+        only={"dtype", "max_model_len"},
+        help_overrides={
+            "dtype": f"weight and KV dtype (default: auto, planned as {AUTO_DTYPE})",
+            "max_model_len": "tokens per sequence (prompt + output)",
+        },
+    )
     add_model_flags(parser, CacheConfig, only={"gpu_memory_utilization", "block_size"})
-    add_model_flags(parser, ParallelConfig)
+    add_model_flags(
+        parser,
+        ParallelConfig,
+        help_overrides={"tensor_parallel_size": "ranks one replica is split over (default: --gpus)"},
+    )
     parser.add_argument("--layers", type=int, default=None, help="override: transformer layers")
     parser.add_argument("--kv-heads", type=int, default=None, help="override: KV heads")
     parser.add_argument("--head-dim", type=int, default=None, help="override: head dimension")

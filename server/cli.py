@@ -79,9 +79,11 @@ def add_model_flags(
     model: type[BaseModel],
     skip: set[str] = frozenset(),
     only: set[str] | None = None,
+    help_overrides: dict[str, str] | None = None,
 ) -> None:
     """Add one `--kebab-case` flag per field of `model` (all but `skip`, or just `only`; defaults left to
-    the model, so an absent flag is an unset field)."""
+    the model, so an absent flag is an unset field). `help_overrides` replaces a field's help text where
+    another command reads the flag differently (`conveyor plan`)."""
     group = parser.add_argument_group(model.__name__, model.__doc__)
     for name, info in model.model_fields.items():
         if name in skip or (only is not None and name not in only):
@@ -90,6 +92,7 @@ def add_model_flags(
         help_text = (
             info.description if info.default is None else f"{info.description} (default: {info.default})"
         )
+        help_text = (help_overrides or {}).get(name, help_text)
         if info.annotation is bool:
             group.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
