@@ -26,7 +26,7 @@ from conveyor.operator.catalog import (
     lookup_gpu,
     resolve_model_shape,
 )
-from conveyor.operator.spec import InferenceServiceSpec
+from conveyor.operator.spec import InferenceServiceSpec, validation_message
 from conveyor.server.capacity import (
     CapacityPlan,
     InsufficientGPUMemoryError,
@@ -332,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus % spec.tensor_parallel_size:
             raise ValueError("--gpus must be divisible by --tensor-parallel-size")
         plan = plan_for_spec(spec)
-    except (*PlanningError, ValidationError, ValueError) as exc:
+    except ValidationError as exc:
+        print(f"conveyor plan: error: {validation_message(exc)}", file=sys.stderr)
+        return 1
+    except (*PlanningError, ValueError) as exc:
         print(f"conveyor plan: error: {exc}", file=sys.stderr)
         return 1
     sys.stdout.write(_plan_json(plan) if args.json else format_plan(plan))

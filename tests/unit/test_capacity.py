@@ -182,6 +182,16 @@ def test_plan_command_fails_with_the_shortfall(capsys: pytest.CaptureFixture[str
     assert plan_cli.main([*argv, "--gpus", "4", "--tensor-parallel-size", "4"]) == 0
 
 
+def test_plan_command_names_the_field_and_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "llama-3-8b", "--gpu", "a100-80gb", "--max-model-len", "4096"]
+    assert plan_cli.main([*argv, "--block-size", "12"]) == 1
+    assert capsys.readouterr().err == "conveyor plan: error: engine.blockSize: Input should be 8, 16 or 32\n"
+    assert plan_cli.main([*argv, "--gpus", "3"]) == 1
+    assert capsys.readouterr().err == (
+        "conveyor plan: error: tensorParallelSize 3 does not divide llama-3-8b's 32 attention heads\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("quantity", "expected"), [("80Gi", 80 * GiB), ("24G", 24 * 10**9), ("1.5Ti", 1536 * GiB), ("1024", 1024)]
 )
