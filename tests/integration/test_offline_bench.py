@@ -79,3 +79,23 @@ def test_structured_output_bench_keeps_each_mode_to_its_constraint(tmp_path, cap
     assert all(re.fullmatch(r"[A-Za-z ,.]*", text) for text in results["regex"]["texts"])
     assert all(text.startswith('{"name": "') for text in results["json_schema"]["texts"])
     assert "json_schema" in capsys.readouterr().out
+
+
+def test_step_profile_splits_each_step_into_stages_and_ops(tmp_path, capsys):
+    """`python -m conveyor.benchmarks.step_profile` on the embedded model and a 3-request token-id
+    workload: the stages add up to the step, the forward's parts to the forward, and the matmuls and
+    attention the model runs are found by the profiler."""
+    from conveyor.benchmarks import step_profile
+
+    workload = tmp_path / "w.jsonl"
+    rows = [{"prompt": list(range(10 + 7 * i, 30 + 9 * i)), "output_len": 4 + i} for i in range(3)]
+    workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out_json = tmp_path / "p.json"
+    argv = ["--workload", str(workload), "--dtype", "float32", "--max-num-seqs", "2", "--json", str(out_json)]
+    assert step_profile.main(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert report["output_tokens"] == 4 + 5 + 6
+    assert sum(report["stages_ms"].values()) == pytest.approx(report["step_ms"], rel=0.02)
+    assert sum(report["forward_ms"].values()) == pytest.approx(report["stages_ms"]["forward"], rel=1e-6)
+    assert report["forward_ms"]["matmul"] > 0 and report["forward_ms"]["attention"] > 0
+    assert "| - forward: matmul |" in capsys.readouterr().out
