@@ -78,7 +78,8 @@ class KVCacheTooSmallError(InsufficientGPUMemoryError):
 
 
 class TensorParallelSizeError(ValueError):
-    """The tensor-parallel size does not split the model's heads (the server would refuse to start)."""
+    """The tensor-parallel size does not split the model's heads, or differs from the replica's GPUs
+    (the server would refuse to start, or leave GPUs idle while planned for their memory)."""
 
 
 #: Errors that make a spec impossible to plan; the operator reports them as status conditions.
@@ -139,6 +140,12 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
     )
     if shape.max_position_embeddings is not None and model.max_model_len > shape.max_position_embeddings:
         raise MaxModelLenTooLongError(model.max_model_len, shape.max_position_embeddings, shape.name)
+    tp, gpus = spec.tensor_parallel_size, spec.resources.gpus_per_replica
+    if tp != gpus:
+        raise TensorParallelSizeError(
+            f"tensorParallelSize {tp} with gpusPerReplica {gpus}: conveyor serve runs one rank per GPU, "
+            "so a replica's GPUs and its tensor-parallel size must be equal (leave tensorParallelSize unset)"
+        )
     if shape.num_heads is not None and shape.intermediate_size is not None:
         try:  # the server's own rule (`conveyor serve` refuses these sizes at start)
             partition(
@@ -256,6 +263,33 @@ def _write_config(model: str, directory: Path) -> int:
     return 0
 
 
+# The spec fields `conveyor plan`'s flags fill, as its errors name them (longest names first).
+_FLAGS_OF_FIELDS = {
+    "resources.tensorParallelSize": "--tensor-parallel-size",
+    "resources.gpusPerReplica": "--gpus",
+    "resources.gpuMemory": "--gpu-memory",
+    "resources.gpuType": "--gpu",
+    "engine.gpuMemoryUtilization": "--gpu-memory-utilization",
+    "engine.blockSize": "--block-size",
+    "model.maxModelLen": "--max-model-len",
+    "model.kvHeads": "--kv-heads",
+    "model.headDim": "--head-dim",
+    "model.layers": "--layers",
+    "model.params": "--params",
+    "model.dtype": "--dtype",
+    "model.name": "--model",
+    "tensorParallelSize": "--tensor-parallel-size",
+    "gpusPerReplica": "--gpus",
+    "maxModelLen": "--max-model-len",
+}
+_FIELD_NAMES = re.compile(r"\b(" + "|".join(re.escape(f) for f in _FLAGS_OF_FIELDS) + r")\b")
+
+
+def _as_flags(message: str) -> str:
+    """A planning or validation message with the spec's field names replaced by this command's flags."""
+    return _FIELD_NAMES.sub(lambda m: _FLAGS_OF_FIELDS[m.group(1)], message)
+
+
 def _without_none(groups: dict[str, dict]) -> dict[str, dict]:
     """Spec groups without the flags not given (the spec's defaults apply)."""
     return {group: {k: v for k, v in fields.items() if v is not None} for group, fields in groups.items()}
@@ -329,14 +363,12 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
-        if args.gpus % spec.tensor_parallel_size:
-            raise ValueError("--gpus must be divisible by --tensor-parallel-size")
         plan = plan_for_spec(spec)
     except ValidationError as exc:
-        print(f"conveyor plan: error: {validation_message(exc)}", file=sys.stderr)
+        print(f"conveyor plan: error: {_as_flags(validation_message(exc))}", file=sys.stderr)
         return 1
     except (*PlanningError, ValueError) as exc:
-        print(f"conveyor plan: error: {exc}", file=sys.stderr)
+        print(f"conveyor plan: error: {_as_flags(str(exc))}", file=sys.stderr)
         return 1
     sys.stdout.write(_plan_json(plan) if args.json else format_plan(plan))
     return 0

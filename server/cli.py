@@ -137,10 +137,16 @@ class ServeArgsError(ValueError):
 
 
 class _CheckingParser(argparse.ArgumentParser):
-    """A parser that raises instead of printing usage and exiting."""
+    """A parser that raises instead of printing (usage, help) and exiting."""
 
     def error(self, message: str) -> typing.NoReturn:
         raise ServeArgsError(message)
+
+    def print_help(self, file=None) -> typing.NoReturn:
+        raise ServeArgsError("-h/--help prints the help and exits: it is not an argument to serve with")
+
+    def exit(self, status: int = 0, message: str | None = None) -> typing.NoReturn:
+        raise ServeArgsError(message or f"the arguments end conveyor serve at once (status {status})")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GiB = 1 << 30
 
@@ -126,11 +126,30 @@ class ServerConfig(_Config):
     )
 
 
+def check_prompt_fits_step(scheduler: SchedulerConfig, max_model_len: int) -> None:
+    """Without chunked prefill (and under static scheduling) a prompt is computed in one step, so the
+    step's token budget must hold the longest one. Raises ValueError naming both flags."""
+    chunked = scheduler.enable_chunked_prefill and scheduler.scheduling == "continuous"
+    if not chunked and scheduler.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"without chunked prefill a prompt must fit one step: --max-num-batched-tokens "
+            f"{scheduler.max_num_batched_tokens} is less than --max-model-len {max_model_len}"
+        )
+
+
 class EngineConfig(_Config):
-    """Everything the engine needs, grouped by concern."""
+    """Everything the engine needs, grouped by concern. Rules between groups that need only the flags
+    are checked here (so `conveyor serve` and the operator refuse them before a model loads); the
+    engine checks the rest against the model at start."""
 
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()
+
+    @model_validator(mode="after")
+    def _prompt_fits_step(self) -> EngineConfig:
+        if self.model.max_model_len is not None:
+            check_prompt_fits_step(self.scheduler, self.model.max_model_len)
+        return self

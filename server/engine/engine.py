@@ -16,7 +16,7 @@ import torch
 
 from conveyor.kernels import onednn, select_backend
 from conveyor.server import capacity
-from conveyor.server.config import EngineConfig, GiB
+from conveyor.server.config import EngineConfig, GiB, check_prompt_fits_step
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.output import OutputProcessor, RequestOutput
 from conveyor.server.engine.request import FinishReason, Request, SamplingParams
@@ -161,12 +161,7 @@ class LLMEngine:
                 f"(or --gpu-memory-utilization) or lower --max-model-len"
             )
         sc = config.scheduler
-        chunked = sc.enable_chunked_prefill and sc.scheduling == "continuous"
-        if not chunked and sc.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill a prompt must fit one step: --max-num-batched-tokens "
-                f"{sc.max_num_batched_tokens} is less than --max-model-len {self.max_model_len}"
-            )
+        check_prompt_fits_step(sc, self.max_model_len)  # max_model_len may be the model's own here
         fits = pool_tokens // self.max_model_len
         max_num_seqs = config.scheduler.max_num_seqs or fits
         if max_num_seqs > fits:

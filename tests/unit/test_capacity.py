@@ -185,10 +185,18 @@ def test_plan_command_fails_with_the_shortfall(capsys: pytest.CaptureFixture[str
 def test_plan_command_names_the_field_and_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", "llama-3-8b", "--gpu", "a100-80gb", "--max-model-len", "4096"]
     assert plan_cli.main([*argv, "--block-size", "12"]) == 1
-    assert capsys.readouterr().err == "conveyor plan: error: engine.blockSize: Input should be 8, 16 or 32\n"
+    assert capsys.readouterr().err == "conveyor plan: error: --block-size: Input should be 8, 16 or 32\n"
+    assert plan_cli.main([*argv, "--gpus", "0"]) == 1
+    assert capsys.readouterr().err.startswith("conveyor plan: error: --gpus: Input should be greater")
     assert plan_cli.main([*argv, "--gpus", "3"]) == 1
     assert capsys.readouterr().err == (
-        "conveyor plan: error: tensorParallelSize 3 does not divide llama-3-8b's 32 attention heads\n"
+        "conveyor plan: error: --tensor-parallel-size 3 does not divide llama-3-8b's 32 attention heads\n"
+    )
+    # conveyor serve runs one rank per GPU: idle GPUs are not planned as KV memory.
+    assert plan_cli.main([*argv, "--gpus", "4", "--tensor-parallel-size", "2"]) == 1
+    assert (
+        "--tensor-parallel-size 2 with --gpus 4: conveyor serve runs one rank per GPU"
+        in capsys.readouterr().err
     )
 
 

@@ -46,6 +46,11 @@ def test_check_serve_args_refuses_abbreviations_and_unknown_flags() -> None:
     assert check_serve_args(["model", "--po=1"]) == "unrecognized arguments: --po=1"
     assert check_serve_args(["model", "--max-num-s", "3"]) == "unrecognized arguments: --max-num-s 3"
     assert "invalid int value" in (check_serve_args(["model", "--seed", "x"]) or "")
+    # --help would print and exit(0): the operator's check must say so, not end the operator.
+    assert check_serve_args(["model", "--help"]) == (
+        "-h/--help prints the help and exits: it is not an argument to serve with"
+    )
+    assert check_serve_args(["-h"]) is not None
     # The config models' own rules, not only argparse's: what would stop `conveyor serve` at start.
     assert check_serve_args(["model", "--kv-cache-memory", "0"]) == (
         "--kv-cache-memory: Input should be greater than or equal to 1"
@@ -53,6 +58,13 @@ def test_check_serve_args_refuses_abbreviations_and_unknown_flags() -> None:
     assert check_serve_args(["--gpu-memory-utilization", "1.5"]) == (
         "--gpu-memory-utilization: Input should be less than or equal to 1"
     )
+    # Rules between groups too: without chunking a whole prompt must fit one step.
+    assert check_serve_args(["--no-enable-chunked-prefill", "--max-model-len", "4096"]) == (
+        "without chunked prefill a prompt must fit one step: --max-num-batched-tokens 2048 is less than "
+        "--max-model-len 4096"
+    )
+    assert check_serve_args(["--scheduling", "static", "--max-model-len", "4096"]) is not None
+    assert check_serve_args(["--scheduling", "static", "--max-model-len", "2048"]) is None
 
 
 def _other_value(info):

@@ -417,3 +417,42 @@ def test_a_tensor_parallel_size_the_server_would_refuse_is_a_condition_not_a_cra
     planned = cluster.status_patches[-1]["conditions"][0]
     assert (planned["status"], planned["reason"]) == ("False", "InvalidTensorParallelSize")
     assert planned["message"] == "tensorParallelSize 3 does not divide llama-3-8b's 32 attention heads"
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason", "message"),
+    [
+        # argparse's --help prints and exits: it must be refused, not end the operator.
+        (
+            {**LLAMA, "engine": {"extraArgs": ["--help"]}},
+            "InvalidSpec",
+            "-h/--help prints the help and exits: it is not an argument to serve with",
+        ),
+        # Accepted flag by flag, refused together by the server's config (4096-token prompts, 2048/step).
+        (
+            {**LLAMA, "engine": {"extraArgs": ["--scheduling", "static"]}},
+            "ServerArgsRejected",
+            "without chunked prefill a prompt must fit one step",
+        ),
+        (
+            {**LLAMA, "engine": {"enableChunkedPrefill": False}},
+            "ServerArgsRejected",
+            "--max-num-batched-tokens 2048 is less than --max-model-len 4096",
+        ),
+        # One rank per GPU: four GPUs at TP 2 would be planned for memory two ranks never use.
+        (
+            {**LLAMA, "resources": {"gpuType": "a100-80gb", "gpusPerReplica": 4, "tensorParallelSize": 2}},
+            "InvalidTensorParallelSize",
+            "tensorParallelSize 2 with gpusPerReplica 4",
+        ),
+    ],
+)
+def test_specs_whose_pods_could_not_start_are_conditions(
+    events: list[tuple[str, str, str]], spec: dict[str, Any], reason: str, message: str
+) -> None:
+    cluster = FakeCluster(spec)
+    reconcile(cluster)
+    assert cluster.objects == {}
+    planned = cluster.status_patches[-1]["conditions"][0]
+    assert (planned["status"], planned["reason"]) == ("False", reason)
+    assert message in planned["message"]
