@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -172,6 +173,11 @@ class SafetensorsWeights(Mapping):
     def __init__(self, directory: Path) -> None:
         from safetensors import safe_open
 
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():  # a sharded checkpoint names its files (others, e.g. consolidated.*, are not it)
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {name: directory / file for name, file in weight_map.items()}
+            return
         self._files = {}
         for path in sorted(directory.glob("*.safetensors")):
             with safe_open(str(path), framework="pt") as f:

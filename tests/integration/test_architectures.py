@@ -27,7 +27,7 @@ SHAPE = dict(
 def _config(kind: str):
     import transformers
 
-    if kind == "llama":
+    if kind in ("llama", "llama-sharded"):
         return transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True, rope_theta=500000.0)
     if kind == "llama3-rope-scaling":
         scaling = {
@@ -52,7 +52,7 @@ def tokenizer():
     return load_tokenizer(resolve_model(None))
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3-rope-scaling", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama-sharded", "llama3-rope-scaling", "mistral", "qwen2"])
 def test_random_model_from_a_local_directory_matches_transformers(kind, tokenizer, tmp_path):
     import transformers
 
@@ -65,7 +65,11 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
         for layer in hf.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
-    hf.save_pretrained(tmp_path)
+    if kind == "llama-sharded":  # several files and model.safetensors.index.json, as large checkpoints are
+        hf.save_pretrained(tmp_path, max_shard_size="1MB")
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    else:
+        hf.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
 
     engine = LLMEngine(
