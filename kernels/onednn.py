@@ -1,14 +1,17 @@
 """Linear layers with weights pre-packed once for oneDNN: the CPU path's matmuls.
 
-`torch.nn.functional.linear` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight, which
-oneDNN reorders into its blocked (VNNI) layout on every call. At decode batch sizes that reorder costs
-about as much as the matmul itself. Reordering once at load, as PyTorch's own inductor does when it
-freezes a CPU graph (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`), makes a batch-16
-decode step's matmuls about 1.45x faster on an AVX512-BF16 CPU (`make bench` shows the end-to-end
-effect).
+`torch.nn.functional.linear` on a CPU tensor hands the BLAS a plain row-major weight: in bfloat16
+oneDNN reorders it into its blocked (VNNI) layout on every call, in float32 MKL's sgemm packs panels of it
+on every call. At decode batch sizes that costs about as much as the matmul itself. Reordering once at
+load, as PyTorch's own inductor does when it freezes a CPU graph (`torch.ops.mkldnn._reorder_linear_weight`
++ `_linear_pointwise`), makes a batch-16 decode step's matmuls about 1.45x faster in bfloat16 on an
+AVX512-BF16 CPU, and in float32 1.3-2.3x per layer and 3.6x for the 49,152-row LM head (a 2-core AMD EPYC
+with AVX-512, measured on the embedded model's shapes; `make bench` shows the end-to-end effect).
 
-Only bfloat16 is packed: float32 keeps aten's MKL path (and its results, which the float32 tests compare
-with transformers token for token), and float16 packing needs AVX512-FP16.
+float32 and bfloat16 are packed (bfloat16 only where the CPU computes it natively); float16 packing needs
+AVX512-FP16. Packed float32 sums in a different order than MKL, so results move by float32 rounding
+(about 1e-6 relative); the float32 tests compare greedy tokens with transformers token for token through
+this path.
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ def cpu_bf16_native() -> bool:
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """True when weights of `dtype` on `device` can be pre-packed here (CPU, bfloat16, oneDNN with
-    native bf16 support)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_native()
+    """True when weights of `dtype` on `device` can be pre-packed here: on a CPU with oneDNN, float32,
+    and bfloat16 where the CPU computes it natively."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_native())
 
 
 class PackedLinear(nn.Module):
     """`y = x @ weight.T + bias` with `weight` held in oneDNN's packed layout.
 
-    x: `[num_tokens, in_features]` bfloat16 -> `[num_tokens, out_features]` bfloat16. The packed weight
+    x: `[num_tokens, in_features]` -> `[num_tokens, out_features]`, float32 or bfloat16 as the weight. The packed weight
     is an opaque oneDNN tensor: it has no `state_dict` entry and cannot be moved or cast; build the
     module after the weights are final (see `pack_linear_layers`).
     """

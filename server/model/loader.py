@@ -234,7 +234,11 @@ def load_model(
             param.data = param.data.to(dtype)
     if onednn.packing_supported(dtype, device):
         count = onednn.pack_linear_layers(model)
-        logger.info("CPU matmuls: %d linear layers pre-packed for oneDNN (bfloat16)", count)
+        logger.info(
+            "CPU matmuls: %d linear layers pre-packed for oneDNN (%s)",
+            count,
+            str(dtype).removeprefix("torch."),
+        )
     return model.eval()
 
 

@@ -17,10 +17,26 @@ needs_bf16_onednn = pytest.mark.skipif(
 )
 
 
-def test_packing_only_for_bfloat16_on_cpu():
-    assert not onednn.packing_supported(torch.float32, CPU)
+def test_packing_for_float32_and_native_bfloat16_on_cpu():
+    assert onednn.packing_supported(torch.float32, CPU)
+    assert onednn.packing_supported(torch.bfloat16, CPU) is onednn.cpu_bf16_native()
     assert not onednn.packing_supported(torch.float16, CPU)
     assert not onednn.packing_supported(torch.bfloat16, torch.device("cuda"))
+    assert not onednn.packing_supported(torch.float32, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 7, 16, 300])
+def test_packed_float32_linear_matches_linear_to_rounding(num_tokens: int, bias: bool):
+    torch.manual_seed(num_tokens)
+    linear = nn.Linear(576, 960, bias=bias)
+    x = torch.randn(num_tokens, 576)
+    out = onednn.PackedLinear(linear)(x)
+    assert out.shape == (num_tokens, 960) and out.dtype == torch.float32
+    truth = F.linear(
+        x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double()
+    )
+    torch.testing.assert_close(out.double(), truth, atol=1e-5, rtol=1e-5)
 
 
 @needs_bf16_onednn
