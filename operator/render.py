@@ -59,6 +59,28 @@ STARTUP_SECONDS_PER_GIB = 6
 
 MODELS_MOUNT = "/models"
 HF_HOME = "/models/hf-cache"
+# The root filesystem is read-only; what the server writes goes to emptyDirs: converted models and the
+# C++ kernels' build (XDG_CACHE_HOME), Triton's compiled kernels, and /tmp (torch.compile, tempfiles).
+CACHE_DIR = "/var/cache/conveyor"
+TMP_DIR = "/tmp"
+# The images' user (images/*.Dockerfile). Set on the pod, so the kubelet can check runAsNonRoot for an
+# image whose USER is a name, and fsGroup makes a cache claim writable to it.
+RUN_AS_USER = 10001
+# Pod Security Standards, `restricted` profile (kubernetes.io/docs/concepts/security/pod-security-standards):
+# the server and router pods pass a namespace that enforces it.
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS_USER,
+    "runAsGroup": RUN_AS_USER,
+    "fsGroup": RUN_AS_USER,
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 SERVER_CONTAINER = "server"
 ROUTER_CONTAINER = "router"
 COMPONENT_SERVER = "inference-server"
@@ -239,15 +261,24 @@ def _probe(path: str, period: int, failure_threshold: int, timeout: int = 5) -> 
 
 
 def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts) for HF_HOME (`model.cache`) and, for `pvc://`, the claim holding the weights."""
+    """(volumes, mounts) for HF_HOME (`model.cache`), the writable cache and /tmp emptyDirs, and, for
+    `pvc://`, the claim holding the weights."""
     _, model_volume = model_source(spec)
     cache = spec.model.cache
     if cache.claim_name is not None:
         hf_cache: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache.claim_name}}
     else:
         hf_cache = {"emptyDir": {"sizeLimit": cache.size_limit} if cache.size_limit else {}}
-    volumes: list[dict[str, Any]] = [{"name": "hf-cache", **hf_cache}]
-    mounts: list[dict[str, Any]] = [{"name": "hf-cache", "mountPath": HF_HOME}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "hf-cache", **hf_cache},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "hf-cache", "mountPath": HF_HOME},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": TMP_DIR},
+    ]
     if model_volume is not None:
         claim = model_volume["persistentVolumeClaim"]["claimName"]
         volumes.append(model_volume)
@@ -258,6 +289,8 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], li
 def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return [
         {"name": "HF_HOME", "value": HF_HOME},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
         *(e.model_dump(by_alias=True, exclude_none=True) for e in spec.env),
     ]
 
@@ -316,10 +349,12 @@ def render_deployment(
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
     if spec.env_from:
         container["envFrom"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env_from]
     pod_spec: dict[str, Any] = {
+        "securityContext": POD_SECURITY_CONTEXT,
         "containers": [container],
         "nodeSelector": node_selector,
         "tolerations": tolerations,
@@ -500,7 +535,7 @@ def render_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[s
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
     if spec.env_from:
         container["envFrom"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env_from]
@@ -518,7 +553,7 @@ def render_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[s
                 "spec": {
                     "serviceAccountName": router_name(owner.name),
                     "automountServiceAccountToken": True,
-                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": POD_SECURITY_CONTEXT,
                     "containers": [container],
                     "volumes": volumes,
                     # Streams in flight finish after the endpoint is removed, as on the server.

@@ -137,8 +137,10 @@ class EnvVarSource(_CamelModel):
         return self
 
 
-# Environment variables the operator sets itself.
-OWNED_ENV = {"HF_HOME"}
+# Environment variables the operator sets itself: where it mounts the model cache and the writable caches
+# (operator/render.py).
+OWNED_ENV = {"HF_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"}
+OWNED_ENV_MESSAGE = "set by the operator (where it mounts the model cache and the writable caches)"
 
 
 class EnvVar(_CamelModel):
@@ -148,7 +150,7 @@ class EnvVar(_CamelModel):
         _cel("!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both"),
         _cel(
             "!(self.name in [" + ", ".join(f"'{n}'" for n in sorted(OWNED_ENV)) + "])",
-            "HF_HOME is set by the operator (it is where the model cache is mounted)",
+            f"{', '.join(sorted(OWNED_ENV))} are {OWNED_ENV_MESSAGE}",
         ),
     )
 
@@ -161,7 +163,7 @@ class EnvVar(_CamelModel):
         if self.value is not None and self.value_from is not None:
             raise ValueError("set value or valueFrom, not both")
         if self.name in OWNED_ENV:
-            raise ValueError(f"{self.name} is set by the operator (it is where the model cache is mounted)")
+            raise ValueError(f"{self.name} is {OWNED_ENV_MESSAGE}")
         return self
 
 

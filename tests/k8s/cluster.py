@@ -353,11 +353,15 @@ class LocalCluster:
                 )
             time.sleep(0.2)
 
-    def create_namespace(self, prefix: str = "test", timeout: float = 30.0) -> str:
-        """Create a uniquely named namespace and wait for its default ServiceAccount, without which
-        pods are rejected at admission; returns the name."""
+    def create_namespace(
+        self, prefix: str = "test", timeout: float = 30.0, labels: Mapping[str, str] | None = None
+    ) -> str:
+        """Create a uniquely named namespace carrying `labels` and wait for its default ServiceAccount,
+        without which pods are rejected at admission; returns the name."""
         name = f"{prefix}-{uuid.uuid4().hex[:8]}"
         self.kubectl("create", "namespace", name)
+        if labels:
+            self.kubectl("label", "namespace", name, *(f"{k}={v}" for k, v in labels.items()))
         self._wait_default_service_account(name, time.monotonic() + timeout)
         return name
 

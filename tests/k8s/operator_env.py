@@ -25,6 +25,9 @@ CRD_PATH = REPO / "crds" / "serving.conveyor.dev_inferenceservices.yaml"
 LLAMA_EXAMPLE = REPO / "examples" / "llama-3-8b-a100.yaml"
 SMOLLM_EXAMPLE = REPO / "examples" / "smollm2-135m-l4.yaml"
 ISVC_LABEL = "serving.conveyor.dev/inferenceservice"
+# Namespaces the operator tests run in enforce the Pod Security Standards' `restricted` profile: the API
+# server's PodSecurity admission refuses any server or router pod that breaks it.
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
 T = TypeVar("T")
 
 # A stand-in for the Prometheus operator's CRD: enough for the API to exist.

@@ -20,6 +20,7 @@ from tests.k8s.operator_env import (
     CRD_PATH,
     ISVC_LABEL,
     LLAMA_EXAMPLE,
+    RESTRICTED,
     SERVICE_MONITOR_CRD,
     SMOLLM_EXAMPLE,
     Env,
@@ -38,7 +39,7 @@ def env(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
     for crd in ("inferenceservices.serving.conveyor.dev", "servicemonitors.monitoring.coreos.com"):
         k8s.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
-    namespace = k8s.create_namespace("operator")
+    namespace = k8s.create_namespace("operator", labels=RESTRICTED)
     log_path = tmp_path_factory.mktemp("operator") / "operator.log"
     operator = Operator(k8s, namespace, log_path)
     try:
@@ -354,6 +355,27 @@ def test_kubectl_scale_through_the_scale_subresource(env: Env) -> None:
         assert scale["status"]["selector"] == f"{ISVC_LABEL}=scaled"
     finally:
         env.delete("scaled")
+
+
+def test_server_pods_pass_the_restricted_pod_security_profile(env: Env) -> None:
+    """The namespace enforces `restricted` (a root pod is refused), and the server's pods are admitted
+    (every test in this module runs its pods there)."""
+    root_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "root"},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }
+    refused = env.kubectl("apply", "-f", "-", input=json.dumps(root_pod), check=False)
+    assert refused.returncode != 0 and 'violates PodSecurity "restricted' in refused.stderr
+    env.apply(isvc("restricted"))
+    try:
+        env.wait_ready("restricted")
+        (pod,) = env.pods("restricted")
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    finally:
+        env.delete("restricted")
 
 
 def test_examples_are_valid_for_the_api_server(env: Env) -> None:

@@ -279,7 +279,8 @@ def test_env_env_from_and_the_model_cache_reach_the_pods_and_hand_added_env_is_r
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"env": [{"name": "HF_HOME", "value": "/tmp"}]}, "HF_HOME is set by the operator"),
+        ({"env": [{"name": "HF_HOME", "value": "/tmp"}]}, "XDG_CACHE_HOME are set by the operator"),
+        ({"env": [{"name": "XDG_CACHE_HOME", "value": "/tmp"}]}, "XDG_CACHE_HOME are set by the operator"),
         ({"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}, "not both"),
         ({"envFrom": [{"prefix": "X_"}]}, "envFrom takes exactly one of secretRef, configMapRef"),
         ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "Duplicate value"),

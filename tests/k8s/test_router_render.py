@@ -21,6 +21,7 @@ from tests.k8s.cluster import LocalCluster, go_module_file
 from tests.k8s.operator_env import (
     CRD_PATH,
     ISVC_LABEL,
+    RESTRICTED,
     SERVICE_MONITOR_CRD,
     Env,
     Operator,
@@ -82,7 +83,7 @@ def env(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "inferencepools.inference.networking.k8s.io",
     ):
         k8s.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
-    namespace = k8s.create_namespace("router")
+    namespace = k8s.create_namespace("router", labels=RESTRICTED)
     tmp_path = tmp_path_factory.mktemp("router")
     kubeconfig, role_name = operator_kubeconfig(k8s, namespace, tmp_path)
     operator = Operator(k8s, namespace, tmp_path / "operator.log", kubeconfig=kubeconfig)
@@ -110,6 +111,8 @@ def test_router_children_are_accepted_then_removed_when_disabled(env: Env) -> No
     try:
         resource = env.wait_ready("routed")
         ns = env.namespace
+        # The namespace enforces the `restricted` Pod Security profile: router pods are admitted.
+        env.eventually(lambda: env.items("pods", f"{ROUTER_LABEL}=routed"), "the router's pods")
         assert resource["status"]["url"] == f"http://routed-router.{ns}.svc.cluster.local"
         for kind in ROUTER_CHILDREN:
             obj = env.get(kind, "routed-router")

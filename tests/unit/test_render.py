@@ -732,24 +732,59 @@ def test_router_deployment_is_a_cpu_pod_with_its_own_identity() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    assert container["securityContext"] == {
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
-    }
-    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert_restricted(pod)
     assert container["env"] == [
-        {"name": "HF_HOME", "value": "/models/hf-cache"},
+        *OPERATOR_ENV,
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
     ]
     assert container["envFrom"] == [{"configMapRef": {"name": "settings"}}]
     assert pod["volumes"] == [
         {"name": "hf-cache", "emptyDir": {"sizeLimit": "20Gi"}},
+        *WRITABLE_VOLUMES,
         {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
     ]
     assert container["volumeMounts"] == [
         {"name": "hf-cache", "mountPath": "/models/hf-cache"},
+        *WRITABLE_MOUNTS,
         {"name": "model", "mountPath": "/models/weights", "readOnly": True},
     ]
+
+
+# What the operator sets in every server and router container, and the emptyDirs it writes to.
+OPERATOR_ENV = [
+    {"name": "HF_HOME", "value": "/models/hf-cache"},
+    {"name": "XDG_CACHE_HOME", "value": "/var/cache/conveyor"},
+    {"name": "TRITON_CACHE_DIR", "value": "/var/cache/conveyor/triton"},
+]
+WRITABLE_VOLUMES = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+WRITABLE_MOUNTS = [
+    {"name": "cache", "mountPath": "/var/cache/conveyor"},
+    {"name": "tmp", "mountPath": "/tmp"},
+]
+
+
+def assert_restricted(pod: dict) -> None:
+    """The pod spec meets the Pod Security Standards' `restricted` profile with a read-only root
+    filesystem (tests/k8s/test_operator.py proves it against the API server's own admission)."""
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in pod["containers"]:
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+    mounted = {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]}
+    assert {"/tmp", "/var/cache/conveyor", "/models/hf-cache"} <= mounted
+
+
+def test_server_pods_are_restricted_with_writable_caches_mounted() -> None:
+    pod = _deployment()["spec"]["template"]["spec"]
+    assert_restricted(pod)
+    (container,) = pod["containers"]
+    assert container["env"][:3] == OPERATOR_ENV
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
 
 
 def test_router_rbac_reads_endpointslices_only() -> None:
