@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: serve test bench bench-peers bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
+.PHONY: generate serve test bench bench-peers bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
 
 install: $(STAMP)
 
@@ -70,6 +70,13 @@ k8s-tools:
 # A local control plane with simulated GPU nodes in the foreground; prints `export KUBECONFIG=...`.
 cluster: $(STAMP) k8s-tools
 	$(PY) tests/k8s/cluster.py $(ARGS)
+
+# The generated files: the CRD (from operator/spec.py), the chart's values.schema.json and README's values
+# table (from operator/chart.py). Tests fail when any is stale.
+generate: $(STAMP)
+	$(VENV)/bin/conveyor crd -o crds/serving.conveyor.dev_inferenceservices.yaml \
+	  -o charts/conveyor/crds/serving.conveyor.dev_inferenceservices.yaml
+	$(PY) -m conveyor.operator.chart
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

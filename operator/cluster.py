@@ -20,6 +20,7 @@ SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
 SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
 INFERENCE_POOL = ("inference.networking.k8s.io/v1", "InferencePool")
+NETWORK_POLICY = ("networking.k8s.io/v1", "NetworkPolicy")
 
 # The field manager of replicas written by the builtin autoscaler (scale subresource).
 AUTOSCALER_FIELD_MANAGER = "conveyor-autoscaler"

@@ -33,6 +33,7 @@ from conveyor.operator.autoscaler import History, Observation, decide
 from conveyor.operator.cluster import (
     HPA,
     INFERENCE_POOL,
+    NETWORK_POLICY,
     SCALED_OBJECT,
     SERVICE_MONITOR,
     ApplyError,
@@ -52,6 +53,7 @@ from conveyor.operator.render import (
     server_args,
 )
 from conveyor.operator.spec import (
+    DEFAULT_IMAGE,
     DNS1035_LABEL,
     GROUP,
     NAME_RULE_MESSAGE,
@@ -101,6 +103,9 @@ _prometheus: PrometheusSource | None = None
 # extra labels of every ServiceMonitor.
 _namespaces: list[str] = []
 _service_monitor_labels: dict[str, str] = {}
+# (configure_children) the server image of resources without one, and the peers a NetworkPolicy admits.
+_server_image: str = DEFAULT_IMAGE
+_network_policy_from: list[dict[str, Any]] | None = None
 # CRDs of optional APIs: installing or removing one changes what every InferenceService renders.
 OPTIONAL_CRDS = {
     "servicemonitors.monitoring.coreos.com",
@@ -295,7 +300,7 @@ def _reconcile(
         if not re.match(DNS1035_LABEL, name):  # created before the CRD said so
             failure = ("InvalidName", NAME_RULE_MESSAGE)
         else:
-            spec = parse_spec(body.get("spec") or {})
+            spec = parse_spec(body.get("spec") or {}, _server_image)
             planned = plan_for_spec(spec)
             server_args(spec, planned)  # what the pods would start with, checked as the server will
             failure = _replica_exceeds_node(cluster, planned)
@@ -406,8 +411,8 @@ def _children(
     logger: Any,
 ) -> list[dict[str, Any]]:
     """The children to apply, for the APIs served now; deletes an HPA or ScaledObject this resource
-    rendered before its autoscaling engine changed, and the router's objects once `router.enabled`
-    is false (never someone else's)."""
+    rendered before its autoscaling engine changed, its NetworkPolicy once the operator renders none,
+    and the router's objects once `router.enabled` is false (never someone else's)."""
     objects = render_all(
         owner,
         spec,
@@ -418,9 +423,10 @@ def _children(
         prometheus_url=_prometheus.url if _prometheus is not None else None,
         service_monitor_labels=_service_monitor_labels,
         inference_pool=spec.router_enabled and cluster.has_api(*INFERENCE_POOL),
+        network_policy_from=_network_policy_from,
     )
     rendered = {(o["apiVersion"], o["kind"]) for o in objects}
-    for api in (HPA, SCALED_OBJECT):
+    for api in (HPA, SCALED_OBJECT, NETWORK_POLICY):
         if api in rendered or (api == SCALED_OBJECT and not cluster.has_api(*api)):
             continue
         _delete_owned(cluster, body, owner, api, owner.name, logger)
@@ -516,6 +522,7 @@ def on_inference_service(namespace: str, name: str, retry: int, logger: logging.
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("v1", "services", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 def on_child(namespace: str, labels: dict[str, str], logger: logging.Logger, **_: Any) -> None:
     """A child changed (status, a manual edit, a deletion): refresh status and undo drift."""
     owner_name = labels.get(LABEL_INSTANCE)
@@ -566,6 +573,13 @@ def configure_scope(namespaces: list[str], service_monitor_labels: dict[str, str
     _namespaces, _service_monitor_labels = list(namespaces), dict(service_monitor_labels)
 
 
+def configure_children(server_image: str, network_policy_from: list[dict[str, Any]] | None) -> None:
+    """The server image of resources without `spec.image`, and the extra NetworkPolicyPeers let into
+    the server pods (None: no NetworkPolicy)."""
+    global _server_image, _network_policy_from
+    _server_image, _network_policy_from = server_image, network_policy_from
+
+
 def configure_autoscaler(prometheus_url: str | None, interval_seconds: float) -> None:
     """Point the builtin autoscaler at Prometheus and register its timer (every `interval_seconds`).
 
@@ -612,7 +626,7 @@ def autoscale(
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
     try:
-        spec = parse_spec(body.get("spec") or {})
+        spec = parse_spec(body.get("spec") or {}, _server_image)
     except ValidationError:
         return  # reconcile reports it
     auto = spec.autoscaling

@@ -391,6 +391,27 @@ def render_deployment(
     return deployment
 
 
+def render_network_policy(owner: Owner, peers: list[dict[str, Any]]) -> dict[str, Any]:
+    """A NetworkPolicy admitting to the server pods' port only pods of their namespace (the router, any
+    client there) and `peers` (NetworkPolicyPeers: Prometheus' namespace, an ingress gateway); the
+    kubelet's probes come from the node and are not subject to it on common CNIs."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(owner.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {}}, *peers],
+                    "ports": [{"port": SERVER_PORT, "protocol": "TCP"}],
+                }
+            ],
+        },
+    }
+
+
 def render_service(owner: Owner) -> dict[str, Any]:
     """ClusterIP Service on port 80 in front of the server pods. Its port is named `http`: the
     router finds the replicas as the `http` port of this Service's EndpointSlices."""
@@ -788,15 +809,19 @@ def render_all(
     prometheus_url: str | None = None,
     service_monitor_labels: dict[str, str] | None = None,
     inference_pool: bool = False,
+    network_policy_from: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child object, in apply order: the ServiceMonitors only when their API exists; the router's
-    objects when `router.enabled` (its InferencePool when that API exists); an HPA or a ScaledObject
-    (when KEDA's API exists) for `autoscaling.engine` hpa or keda."""
+    """Every child object, in apply order: the ServiceMonitors only when their API exists; a
+    NetworkPolicy when `network_policy_from` is given (operator setting); the router's objects when
+    `router.enabled` (its InferencePool when that API exists); an HPA or a ScaledObject (when KEDA's API
+    exists) for `autoscaling.engine` hpa or keda."""
     objects = [
         render_deployment(owner, spec, plan, replicas),
         render_service(owner),
         render_pod_disruption_budget(owner),
     ]
+    if network_policy_from is not None:
+        objects.append(render_network_policy(owner, network_policy_from))
     if service_monitor:
         objects.append(render_service_monitor(owner, service_monitor_labels))
     objects += render_router(

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import logging
 import os
 import re
 import signal
 import sys
+from typing import Any
 
 import kopf
 import prometheus_client
 
-from conveyor.operator.spec import LABEL_KEY, LABEL_VALUE
+from conveyor.operator.spec import DEFAULT_IMAGE, LABEL_KEY, LABEL_VALUE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,8 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra label on every ServiceMonitor (repeatable), e.g. release=kube-prometheus-stack so "
         "that a Prometheus' serviceMonitorSelector picks them up",
     )
+    parser.add_argument(
+        "--server-image",
+        metavar="IMAGE",
+        default=os.environ.get("CONVEYOR_SERVER_IMAGE", DEFAULT_IMAGE),
+        help=f"server image of InferenceServices without spec.image (env CONVEYOR_SERVER_IMAGE; default "
+        f"{DEFAULT_IMAGE})",
+    )
+    parser.add_argument(
+        "--network-policy-from",
+        metavar="JSON",
+        type=_peers,
+        default=None,
+        help="render a NetworkPolicy per InferenceService admitting to its server pods only pods of its "
+        'namespace and these NetworkPolicyPeers, a JSON list, e.g. \'[{"namespaceSelector": {"matchLabels": '
+        '{"kubernetes.io/metadata.name": "monitoring"}}}]\' (\'[]\': the namespace only)',
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
+
+
+def _peers(text: str) -> list[dict[str, Any]]:
+    try:
+        peers = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(peers, list) or not all(isinstance(p, dict) and p for p in peers):
+        raise argparse.ArgumentTypeError("must be a JSON list of NetworkPolicyPeer objects")
+    return peers
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -123,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from conveyor.operator import handlers
 
     handlers.configure_scope(list(args.namespace), dict(args.service_monitor_label))
+    handlers.configure_children(args.server_image, args.network_policy_from)
     handlers.configure_autoscaler(args.prometheus_url, args.autoscale_interval)
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)

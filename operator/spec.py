@@ -7,6 +7,7 @@ rules the API server enforces are attached to the models as `x-kubernetes-valida
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from typing import Annotated, Any, Literal
 
@@ -30,7 +31,9 @@ PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["cisvc"]
 
-DEFAULT_IMAGE = "ghcr.io/conveyor-dev/conveyor:0.1.0"
+# The server image (images/server.Dockerfile) of resources without `spec.image`, unless the operator is
+# given another (`conveyor operator --server-image`, the chart's `serverImage`).
+DEFAULT_IMAGE = f"ghcr.io/conveyor-dev/conveyor-server:{importlib.metadata.version('conveyor')}"
 
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 
@@ -606,7 +609,13 @@ class InferenceServiceSpec(_CamelModel):
     replicas: int | None = Field(
         default=None, ge=0, description="Fixed number of replicas (default 1) when autoscaling is unset."
     )
-    image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Server container image.")
+    # No default in the CRD: the operator fills in its configured server image (parse_spec), so a new
+    # operator version or chart value moves every resource that did not choose an image.
+    image: str = Field(
+        default_factory=lambda: DEFAULT_IMAGE,
+        min_length=1,
+        description="Server container image; default: the operator's server image (the chart's serverImage).",
+    )
     node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
         default_factory=dict,
         max_length=64,
@@ -806,6 +815,9 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
-    """Validate a resource's `.spec` (camelCase keys) into the model; raises pydantic.ValidationError."""
+def parse_spec(spec: dict[str, Any], server_image: str = DEFAULT_IMAGE) -> InferenceServiceSpec:
+    """Validate a resource's `.spec` (camelCase keys) into the model, with `server_image` where it sets
+    no image; raises pydantic.ValidationError."""
+    if "image" not in spec:
+        spec = {**spec, "image": server_image}
     return InferenceServiceSpec.model_validate(spec)

@@ -16,7 +16,7 @@ LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
-_ITL_BUCKETS = (
+ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -52,13 +52,13 @@ class EngineMetrics:
             "time_to_first_token_seconds", "Arrival to first token, queueing included (seconds).", mb
         )
         self.itl = hist(
-            "inter_token_latency_seconds", "Time between consecutive tokens (seconds).", m, _ITL_BUCKETS
+            "inter_token_latency_seconds", "Time between consecutive tokens (seconds).", m, ITL_BUCKETS
         )
         self.tpot = hist(
             "request_time_per_output_token_seconds",
             "(latency - TTFT) / (output tokens - 1) per request (seconds).",
             mb,
-            _ITL_BUCKETS,
+            ITL_BUCKETS,
         )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token (seconds).", mb)
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled (seconds).", mb)

@@ -63,23 +63,17 @@ class Operator:
         log_path: Path,
         *extra_args: str,
         kubeconfig: Path | None = None,
+        argv: list[str] | None = None,
     ) -> None:
-        """`kubeconfig`: the operator's credentials (default: the cluster's admin)."""
+        """`kubeconfig`: the operator's credentials (default: the cluster's admin); `argv`: its whole
+        command line after `conveyor operator` (default: standalone on `namespace`, no metrics)."""
         self.log_path = log_path
         env = {**os.environ, "KUBECONFIG": str(kubeconfig or cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
         self._log = log_path.open("wb")
+        if argv is None:
+            argv = ["--standalone", "--namespace", namespace, "--metrics-port", "0", *extra_args]
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "conveyor.operator.run",
-                "--standalone",
-                "--namespace",
-                namespace,
-                "--metrics-port",
-                "0",
-                *extra_args,
-            ],
+            [sys.executable, "-m", "conveyor.operator.run", *argv],
             cwd=REPO,
             env=env,
             stdout=self._log,
@@ -207,3 +201,14 @@ def container_args(deployment: dict[str, Any]) -> list[str]:
 
 def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
+
+
+def account_kubeconfig(k8s: LocalCluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig at `path` authenticating as service account `account` (a 2-hour token)."""
+    token = k8s.kubectl("-n", namespace, "create", "token", account, "--duration=2h").stdout.strip()
+    config = json.loads(k8s.kubeconfig.read_text())
+    config["users"] = [{"name": account, "user": {"token": token}}]
+    config["contexts"][0]["context"]["user"] = account
+    path.write_text(json.dumps(config))
+    path.chmod(0o600)
+    return path

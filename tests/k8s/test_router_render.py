@@ -25,6 +25,7 @@ from tests.k8s.operator_env import (
     SERVICE_MONITOR_CRD,
     Env,
     Operator,
+    account_kubeconfig,
     container_args,
     isvc,
 )
@@ -59,17 +60,6 @@ def operator_kubeconfig(k8s: LocalCluster, namespace: str, tmp_path: Path) -> tu
     for obj in (cluster_role, binding):
         k8s.kubectl("apply", "-f", "-", input=json.dumps(obj))
     return account_kubeconfig(k8s, namespace, OPERATOR_ACCOUNT, tmp_path / "operator.kubeconfig"), role_name
-
-
-def account_kubeconfig(k8s: LocalCluster, namespace: str, account: str, path: Path) -> Path:
-    """A kubeconfig at `path` authenticating as service account `account` (a 2-hour token)."""
-    token = k8s.kubectl("-n", namespace, "create", "token", account, "--duration=2h").stdout.strip()
-    config = json.loads(k8s.kubeconfig.read_text())
-    config["users"] = [{"name": account, "user": {"token": token}}]
-    config["contexts"][0]["context"]["user"] = account
-    path.write_text(json.dumps(config))
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture(scope="module")

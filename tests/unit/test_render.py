@@ -23,7 +23,8 @@ from conveyor.operator.render import (
     selector_string,
     server_args,
 )
-from conveyor.operator.spec import InferenceServiceSpec, RouterSpec, parse_spec
+from conveyor.operator.run import build_parser as operator_parser
+from conveyor.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, RouterSpec, parse_spec
 from conveyor.operator.status import build_status
 
 OWNER = Owner(name="llama", namespace="serving", uid="0b4f7e2a-1c1d-4f0e-9a55-0f6f1d2d9a10")
@@ -888,3 +889,40 @@ def test_status_url_at_zero_replicas_only_when_the_router_wakes_one() -> None:
     advisory = _spec(router=ROUTED, autoscaling={**auto, "mode": "Advisory"})
     assert _router_status(advisory, 0, 1, replicas=0)["url"] is None
     assert _router_status(_spec(router=ROUTED, replicas=0), 0, 1, replicas=0)["url"] is None
+
+
+def test_network_policy_admits_the_namespace_and_the_given_peers_to_the_server_port() -> None:
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert ("NetworkPolicy", "llama") not in _rendered(_spec(), service_monitor=False)
+    objects = _rendered(_spec(router=ROUTED), service_monitor=False, network_policy_from=[monitoring])
+    policy = objects[("NetworkPolicy", "llama")]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+    spec = policy["spec"]
+    server_pod = objects[("Deployment", "llama")]["spec"]["template"]["metadata"]["labels"]
+    router_pod = objects[("Deployment", "llama-router")]["spec"]["template"]["metadata"]["labels"]
+    assert _selects(spec["podSelector"]["matchLabels"], server_pod)
+    assert not _selects(spec["podSelector"]["matchLabels"], router_pod)  # the router stays reachable
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["from"] == [{"podSelector": {}}, monitoring]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+
+
+def test_the_operators_server_image_fills_in_only_a_missing_image() -> None:
+    raw = {"model": {"name": "llama-3-8b", "maxModelLen": 4096}, "resources": {"gpuType": "a100-80gb"}}
+    assert parse_spec(raw).image == DEFAULT_IMAGE
+    assert parse_spec(raw, "registry.example/server:2").image == "registry.example/server:2"
+    assert parse_spec({**raw, "image": "mine:1"}, "registry.example/server:2").image == "mine:1"
+    pod = _deployment(parse_spec(raw, "registry.example/server:2"))["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "registry.example/server:2"
+
+
+def test_operator_flags_for_the_server_image_and_network_policy() -> None:
+    parser = operator_parser()
+    args = parser.parse_args(["--server-image", "r/s:1", "--network-policy-from", '[{"podSelector": {}}]'])
+    assert (args.server_image, args.network_policy_from) == ("r/s:1", [{"podSelector": {}}])
+    assert parser.parse_args([]).network_policy_from is None
+    assert parser.parse_args([]).server_image == DEFAULT_IMAGE
+    for bad in ("{", '{"podSelector": {}}', "[1]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--network-policy-from", bad])

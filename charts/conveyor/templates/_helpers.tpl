@@ -29,3 +29,33 @@ app.kubernetes.io/component: operator
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The kopf peering object's name, or empty when the operator runs standalone (one replica). */}}
+{{- define "conveyor.peering" -}}
+{{- if or .Values.peering (gt (int .Values.replicaCount) 1) -}}
+{{- default (include "conveyor.fullname" .) .Values.peering -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The server image of InferenceServices without spec.image. */}}
+{{- define "conveyor.serverImage" -}}
+{{- printf "%s:%s" .Values.serverImage.repository (.Values.serverImage.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* Labels of the objects the chart renders for Prometheus and Grafana (not the operator's pods). */}}
+{{- define "conveyor.monitoringLabels" -}}
+{{- include "conveyor.labels" . | replace "app.kubernetes.io/component: operator" "app.kubernetes.io/component: monitoring" -}}
+{{- end -}}
+
+{{/* Share of requests slower than the objective over a window: the `le` bucket at the objective
+       against the count, summed over input-length buckets and pods of one InferenceService. */}}
+{{- define "conveyor.slowShare" -}}
+(1 - sum by (namespace, service) (rate(conveyor:{{ .metric }}_bucket{le="{{ .le }}"}[{{ .window }}]))
+  / sum by (namespace, service) (rate(conveyor:{{ .metric }}_count[{{ .window }}])))
+{{- end }}
+
+{{/* A bucket bound as Prometheus' Python client labels it: `le="1.0"`, `le="0.25"`. */}}
+{{- define "conveyor.le" -}}
+{{- $le := printf "%v" (float64 .) -}}
+{{- if contains "." $le }}{{ $le }}{{ else }}{{ $le }}.0{{ end -}}
+{{- end }}
