@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: generate serve test bench bench-peers bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
+.PHONY: generate images image-tools serve test bench bench-peers bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
 
 install: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/conveyor serve $(ARGS)
 
-test: $(STAMP) cxx k8s-tools prometheus
+test: $(STAMP) cxx k8s-tools prometheus image-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The e2e tests scrape the server with a real Prometheus (Debian's package; needs root or sudo).
@@ -28,6 +28,17 @@ prometheus:
 	@command -v prometheus >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+# Building images without a Docker engine (tests/images): Debian's buildah and debootstrap (root or sudo).
+image-tools:
+	@command -v buildah >/dev/null && command -v debootstrap >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends buildah debootstrap >/dev/null; }
+
+# The operator and server images (images/*.Dockerfile), tagged with the package version; prints sizes.
+# IMAGES="operator server server-cpu" REGISTRY=ghcr.io/conveyor-dev LOCAL_BASE=1 (hack/images/build.sh).
+images:
+	bash hack/images/build.sh
 
 # The C++ CPU kernels (kernels/cpu.py) are compiled on first use with g++ (Debian's package; needs root
 # or sudo). Without it the server falls back to the torch kernels; the tests need it.
