@@ -237,6 +237,10 @@ def test_service_monitors_follow_their_crd_and_are_recreated(env: Env, tmp_path)
         _install_service_monitor_crd(env.cluster)
 
 
+# The operator's own variables (operator/render.py), then the spec's.
+ENV_NAMES = ["HF_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "HF_TOKEN", "LOG_FORMAT"]
+
+
 def test_env_env_from_and_the_model_cache_reach_the_pods_and_hand_added_env_is_removed(env: Env) -> None:
     spec = {
         "env": [
@@ -253,8 +257,8 @@ def test_env_env_from_and_the_model_cache_reach_the_pods_and_hand_added_env_is_r
         assert deployment is not None
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        assert [e["name"] for e in container["env"]] == ["HF_HOME", "HF_TOKEN", "LOG_FORMAT"]
-        assert container["env"][1]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+        assert [e["name"] for e in container["env"]] == ENV_NAMES
+        assert container["env"][3]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
         assert container["envFrom"] == [{"configMapRef": {"name": "tuning"}, "prefix": "CONVEYOR_"}]
         cache = next(v for v in pod["volumes"] if v["name"] == "hf-cache")
         assert cache == {"name": "hf-cache", "emptyDir": {"sizeLimit": "100Gi"}}
@@ -264,7 +268,7 @@ def test_env_env_from_and_the_model_cache_reach_the_pods_and_hand_added_env_is_r
         def cleaned() -> bool:
             d = env.get("deployment", "withenv") or {}
             names = [e["name"] for e in d["spec"]["template"]["spec"]["containers"][0]["env"]]
-            return names == ["HF_HOME", "HF_TOKEN", "LOG_FORMAT"]
+            return names == ENV_NAMES
 
         env.eventually(cleaned, "the hand-added variable removed")
         time.sleep(3)  # the rollout it causes must not read as another update
