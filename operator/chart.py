@@ -125,6 +125,23 @@ class AutoscalerValues(_Values):
     )
 
 
+class KedaValues(_Values):
+    prometheus_url: str = Field(
+        default="",
+        pattern=r"^(https?://.+)?$",
+        description="The Prometheus KEDA's triggers query (`autoscaling.engine: keda`); empty: autoscaler.prometheusUrl.",
+    )
+    authentication: str = Field(
+        default="",
+        pattern=r"^((TriggerAuthentication|ClusterTriggerAuthentication)/)?([a-z0-9]([-.a-z0-9]*[a-z0-9])?)?$",
+        description="[ClusterTriggerAuthentication/]NAME holding that Prometheus' credentials; empty: none.",
+    )
+    auth_modes: Literal["", "bearer", "basic", "tls", "custom"] = Field(
+        default="", description="KEDA's authModes for those credentials."
+    )
+    polling_interval_seconds: int = Field(default=15, ge=1, description="Seconds between KEDA's queries.")
+
+
 class PrometheusRuleValues(_Values):
     enabled: bool = Field(
         default=False, description="A PrometheusRule with the alerts below (Prometheus Operator)."
@@ -230,6 +247,7 @@ class ChartValues(_Values):
     liveness_port: Port = Field(default=8080, description="kopf's liveness endpoint, probed by the kubelet.")
     metrics: MetricsValues = Field(default_factory=MetricsValues)
     autoscaler: AutoscalerValues = Field(default_factory=AutoscalerValues)
+    keda: KedaValues = Field(default_factory=KedaValues)
     service_monitor_labels: LabelMap = Field(
         default_factory=dict,
         description="Extra labels on the ServiceMonitor of every InferenceService, e.g. {release: kube-prometheus-stack}.",

@@ -22,6 +22,7 @@ import logging
 import re
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -46,6 +47,7 @@ from conveyor.operator.render import (
     FIELD_MANAGER,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
+    KedaSettings,
     Owner,
     render_all,
     router_name,
@@ -106,6 +108,7 @@ _service_monitor_labels: dict[str, str] = {}
 # (configure_children) the server image of resources without one, and the peers a NetworkPolicy admits.
 _server_image: str = DEFAULT_IMAGE
 _network_policy_from: list[dict[str, Any]] | None = None
+_keda = KedaSettings()
 # CRDs of optional APIs: installing or removing one changes what every InferenceService renders.
 OPTIONAL_CRDS = {
     "servicemonitors.monitoring.coreos.com",
@@ -420,7 +423,9 @@ def _children(
         replicas,
         service_monitor=cluster.has_api(*SERVICE_MONITOR),
         scaled_object=has_keda,
-        prometheus_url=_prometheus.url if _prometheus is not None else None,
+        keda=_keda
+        if _keda.prometheus_url or _prometheus is None
+        else replace(_keda, prometheus_url=_prometheus.url),
         service_monitor_labels=_service_monitor_labels,
         inference_pool=spec.router_enabled and cluster.has_api(*INFERENCE_POOL),
         network_policy_from=_network_policy_from,
@@ -573,11 +578,14 @@ def configure_scope(namespaces: list[str], service_monitor_labels: dict[str, str
     _namespaces, _service_monitor_labels = list(namespaces), dict(service_monitor_labels)
 
 
-def configure_children(server_image: str, network_policy_from: list[dict[str, Any]] | None) -> None:
-    """The server image of resources without `spec.image`, and the extra NetworkPolicyPeers let into
-    the server pods (None: no NetworkPolicy)."""
-    global _server_image, _network_policy_from
-    _server_image, _network_policy_from = server_image, network_policy_from
+def configure_children(
+    server_image: str, network_policy_from: list[dict[str, Any]] | None, keda: KedaSettings
+) -> None:
+    """The server image of resources without `spec.image`, the extra NetworkPolicyPeers let into the
+    server pods (None: no NetworkPolicy), and the ScaledObjects' settings (their Prometheus defaults
+    to the builtin autoscaler's)."""
+    global _server_image, _network_policy_from, _keda
+    _server_image, _network_policy_from, _keda = server_image, network_policy_from, keda
 
 
 def configure_autoscaler(prometheus_url: str | None, interval_seconds: float) -> None:

@@ -679,6 +679,22 @@ ADAPTER_RATE_METRIC = "conveyor_requests_started_per_second"
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 
 
+@dataclass(frozen=True)
+class KedaSettings:
+    """Operator settings for the ScaledObjects of `autoscaling.engine: keda` (the chart's `keda.*`).
+
+    prometheus_url: the triggers' serverAddress (None: DEFAULT_PROMETHEUS_URL); authentication: (kind,
+    name) of a TriggerAuthentication or ClusterTriggerAuthentication for a Prometheus that wants
+    credentials, with `auth_modes` (KEDA's `authModes`: bearer, basic, tls, custom); polling_interval:
+    seconds between KEDA's queries.
+    """
+
+    prometheus_url: str | None = None
+    authentication: tuple[str, str] | None = None
+    auth_modes: str | None = None
+    polling_interval: int = 15
+
+
 def quantity(value: float) -> str:
     """A Kubernetes quantity for a metric target: 4 -> "4", 0.5 -> "500m"."""
     if float(value).is_integer():
@@ -751,25 +767,22 @@ def keda_queries(owner: Owner, window_seconds: int) -> dict[str, str]:
     }
 
 
-def render_scaled_object(
-    owner: Owner, spec: InferenceServiceSpec, prometheus_url: str | None
-) -> dict[str, Any]:
+def render_scaled_object(owner: Owner, spec: InferenceServiceSpec, keda: KedaSettings) -> dict[str, Any]:
     """A KEDA ScaledObject (keda.sh/v1alpha1) with Prometheus triggers on the same PromQL as the
     builtin autoscaler: queue depth and requests/s as AverageValue (per replica), p90 TTFT as Value
     (ratio to the target times replicas). `ignoreNullValues: "false"` makes an empty result an error, so the HPA
     KEDA drives holds its replicas instead of reading 0."""
     auto = spec.autoscaling
     assert auto is not None
-    server = prometheus_url or DEFAULT_PROMETHEUS_URL
     promql = keda_queries(owner, auto.ttft_window_seconds)
     triggers = []
     if auto.target_queue_depth is not None:
-        triggers.append(_prometheus_trigger(server, promql["queue"], auto.target_queue_depth, "AverageValue"))
+        triggers.append(_prometheus_trigger(keda, promql["queue"], auto.target_queue_depth, "AverageValue"))
     if auto.target_ttft_seconds is not None:
-        triggers.append(_prometheus_trigger(server, promql["ttft"], auto.target_ttft_seconds, "Value"))
+        triggers.append(_prometheus_trigger(keda, promql["ttft"], auto.target_ttft_seconds, "Value"))
     if auto.target_requests_per_second is not None:
         rate = auto.target_requests_per_second
-        triggers.append(_prometheus_trigger(server, promql["rate"], rate, "AverageValue"))
+        triggers.append(_prometheus_trigger(keda, promql["rate"], rate, "AverageValue"))
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -778,24 +791,30 @@ def render_scaled_object(
             "scaleTargetRef": _scale_target(owner),
             "minReplicaCount": auto.min_replicas,
             "maxReplicaCount": auto.max_replicas,
-            "pollingInterval": 15,
+            "pollingInterval": keda.polling_interval,
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(spec)}},
             "triggers": triggers,
         },
     }
 
 
-def _prometheus_trigger(server: str, query: str, threshold: float, metric_type: str) -> dict[str, Any]:
-    return {
+def _prometheus_trigger(keda: KedaSettings, query: str, threshold: float, metric_type: str) -> dict[str, Any]:
+    trigger: dict[str, Any] = {
         "type": "prometheus",
         "metricType": metric_type,
         "metadata": {
-            "serverAddress": server,
+            "serverAddress": keda.prometheus_url or DEFAULT_PROMETHEUS_URL,
             "query": query,
             "threshold": f"{threshold:g}",
             "ignoreNullValues": "false",
         },
     }
+    if keda.auth_modes:
+        trigger["metadata"]["authModes"] = keda.auth_modes
+    if keda.authentication is not None:
+        kind, name = keda.authentication
+        trigger["authenticationRef"] = {"name": name, "kind": kind}
+    return trigger
 
 
 def render_all(
@@ -806,7 +825,7 @@ def render_all(
     *,
     service_monitor: bool,
     scaled_object: bool = False,
-    prometheus_url: str | None = None,
+    keda: KedaSettings = KedaSettings(),
     service_monitor_labels: dict[str, str] | None = None,
     inference_pool: bool = False,
     network_policy_from: list[dict[str, Any]] | None = None,
@@ -835,5 +854,5 @@ def render_all(
     if engine == "hpa":
         objects.append(render_hpa(owner, spec))
     if engine == "keda" and scaled_object:
-        objects.append(render_scaled_object(owner, spec, prometheus_url))
+        objects.append(render_scaled_object(owner, spec, keda))
     return objects

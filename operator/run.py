@@ -20,7 +20,8 @@ from typing import Any
 import kopf
 import prometheus_client
 
-from conveyor.operator.spec import DEFAULT_IMAGE, LABEL_KEY, LABEL_VALUE
+from conveyor.operator.render import KedaSettings
+from conveyor.operator.spec import DEFAULT_IMAGE, DNS1123_SUBDOMAIN, LABEL_KEY, LABEL_VALUE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,8 +101,50 @@ def build_parser() -> argparse.ArgumentParser:
         'namespace and these NetworkPolicyPeers, a JSON list, e.g. \'[{"namespaceSelector": {"matchLabels": '
         '{"kubernetes.io/metadata.name": "monitoring"}}}]\' (\'[]\': the namespace only)',
     )
+    keda = parser.add_argument_group("KEDA", "the ScaledObjects of `autoscaling.engine: keda`")
+    keda.add_argument(
+        "--keda-prometheus-url",
+        metavar="URL",
+        default=None,
+        help="the Prometheus KEDA's triggers query (default: --prometheus-url, else "
+        "http://prometheus-operated.monitoring.svc:9090)",
+    )
+    keda.add_argument(
+        "--keda-authentication",
+        metavar="[KIND/]NAME",
+        type=_authentication,
+        default=None,
+        help="a TriggerAuthentication (in each InferenceService's namespace) or "
+        "ClusterTriggerAuthentication/NAME holding the Prometheus credentials",
+    )
+    keda.add_argument(
+        "--keda-auth-modes",
+        metavar="MODES",
+        default=None,
+        help="KEDA's authModes: bearer, basic, tls or custom",
+    )
+    keda.add_argument(
+        "--keda-polling-interval",
+        metavar="SECONDS",
+        type=int,
+        default=15,
+        help="seconds between KEDA's queries (default 15)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
+
+
+_AUTHENTICATION_KINDS = ("TriggerAuthentication", "ClusterTriggerAuthentication")
+
+
+def _authentication(text: str) -> tuple[str, str]:
+    kind, _, name = text.rpartition("/")
+    kind = kind or "TriggerAuthentication"
+    if kind not in _AUTHENTICATION_KINDS or not re.match(DNS1123_SUBDOMAIN, name):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not [TriggerAuthentication/|ClusterTriggerAuthentication/]NAME"
+        )
+    return kind, name
 
 
 def _peers(text: str) -> list[dict[str, Any]]:
@@ -151,7 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     from conveyor.operator import handlers
 
     handlers.configure_scope(list(args.namespace), dict(args.service_monitor_label))
-    handlers.configure_children(args.server_image, args.network_policy_from)
+    if args.keda_polling_interval < 1:
+        parser.error("--keda-polling-interval must be >= 1")
+    keda = KedaSettings(
+        args.keda_prometheus_url,
+        args.keda_authentication,
+        args.keda_auth_modes,
+        args.keda_polling_interval,
+    )
+    handlers.configure_children(args.server_image, args.network_policy_from, keda)
     handlers.configure_autoscaler(args.prometheus_url, args.autoscale_interval)
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
+from conveyor.operator.render import KedaSettings, Owner, render_scaled_object
+from conveyor.operator.spec import parse_spec
 from tests.k8s.cluster import LocalCluster, go_module_file
 from tests.k8s.operator_env import CRD_PATH, ISVC_LABEL, Env, Operator, isvc
 from tests.prometheus import PrometheusServer
@@ -427,3 +429,25 @@ def test_keda_engine_renders_a_scaled_object_the_real_crd_accepts(auto: AutoEnv)
         auto.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(manifest))
     finally:
         auto.delete("keda")
+
+
+def test_a_scaled_object_with_keda_authentication_is_accepted_by_the_real_crd(k8s: LocalCluster) -> None:
+    """The chart's `keda.*` settings (authenticationRef, authModes, pollingInterval), server-side dry run."""
+    k8s.kubectl("apply", "--server-side", "-f", str(keda_crd()))
+    k8s.kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh")
+    namespace = k8s.create_namespace("keda")
+    try:
+        spec = parse_spec(
+            isvc("keda", autoscaling={"engine": "keda", "maxReplicas": 3, "targetQueueDepth": 4})["spec"]
+        )
+        keda = KedaSettings(
+            "https://prom.example:9090", ("ClusterTriggerAuthentication", "prom"), "bearer", 30
+        )
+        owner = Owner("keda", namespace, "0b4f7e2a-1c1d-4f0e-9a55-0f6f1d2d9a10")
+        scaled = render_scaled_object(owner, spec, keda)
+        del scaled["metadata"]["ownerReferences"]  # no such owner exists; the dry run checks the schema
+        result = k8s.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(scaled), check=False)
+        assert result.returncode == 0, result.stderr
+        assert scaled["spec"]["triggers"][0]["authenticationRef"]["kind"] == "ClusterTriggerAuthentication"
+    finally:
+        k8s.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -307,6 +307,8 @@ def test_everything_on_renders_every_optional_object(tmp_path: Path) -> None:
     ][0]["env"]
     args = operator_args(objects)
     assert "--server-image=ghcr.io/conveyor-dev/conveyor-server:0.1.0" in args
+    assert "--keda-authentication=ClusterTriggerAuthentication/prometheus-token" in args
+    assert "--keda-auth-modes=bearer" in args and "--keda-polling-interval=30" in args
     peers = next(a for a in args if a.startswith("--network-policy-from="))
     parsed = build_parser().parse_args(args[1:])
     assert parsed.network_policy_from == [

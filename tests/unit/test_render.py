@@ -10,6 +10,7 @@ import yaml
 
 from conveyor.operator.plan import plan_for_spec
 from conveyor.operator.render import (
+    KedaSettings,
     Owner,
     model_source,
     render_all,
@@ -473,7 +474,7 @@ def test_keda_engine_renders_a_trigger_per_target_over_ready_pods() -> None:
         None,
         service_monitor=False,
         scaled_object=True,
-        prometheus_url="http://p:9090",
+        keda=KedaSettings(prometheus_url="http://p:9090"),
     )
     scaled = objects[-1]
     assert scaled["kind"] == "ScaledObject" and scaled["spec"]["minReplicaCount"] == 0
@@ -926,3 +927,39 @@ def test_operator_flags_for_the_server_image_and_network_policy() -> None:
     for bad in ("{", '{"podSelector": {}}', "[1]"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--network-policy-from", bad])
+
+
+def test_keda_settings_reach_every_trigger() -> None:
+    spec = _spec(autoscaling={**THREE_TARGETS, "engine": "keda"})
+    keda = KedaSettings(
+        prometheus_url="https://prom.example:9090",
+        authentication=("ClusterTriggerAuthentication", "prometheus-token"),
+        auth_modes="bearer",
+        polling_interval=30,
+    )
+    (scaled,) = [
+        o
+        for o in render_all(
+            OWNER, spec, plan_for_spec(spec), None, service_monitor=False, scaled_object=True, keda=keda
+        )
+        if o["kind"] == "ScaledObject"
+    ]
+    assert scaled["spec"]["pollingInterval"] == 30
+    for trigger in scaled["spec"]["triggers"]:
+        assert trigger["metadata"]["serverAddress"] == "https://prom.example:9090"
+        assert trigger["metadata"]["authModes"] == "bearer"
+        assert trigger["authenticationRef"] == {
+            "name": "prometheus-token",
+            "kind": "ClusterTriggerAuthentication",
+        }
+
+
+def test_keda_flags_parse_into_settings() -> None:
+    parser = operator_parser()
+    args = parser.parse_args(["--keda-authentication", "prom-auth", "--keda-auth-modes", "basic"])
+    assert args.keda_authentication == ("TriggerAuthentication", "prom-auth")
+    args = parser.parse_args(["--keda-authentication", "ClusterTriggerAuthentication/prom"])
+    assert args.keda_authentication == ("ClusterTriggerAuthentication", "prom")
+    for bad in ("Secret/prom", "ClusterTriggerAuthentication/Bad_Name"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--keda-authentication", bad])
