@@ -27,7 +27,14 @@ from conveyor.operator.run import build_parser
 from conveyor.server.api.metrics import LATENCY_BUCKETS
 from tests.integration.conftest import free_port
 from tests.k8s.cluster import LocalCluster, ensure_binaries, go_module_file
-from tests.k8s.operator_env import RESTRICTED, SERVICE_MONITOR_CRD, Env, Operator, account_kubeconfig, isvc
+from tests.k8s.operator_env import (
+    LLAMA_EXAMPLE,
+    RESTRICTED,
+    SERVICE_MONITOR_CRD,
+    Env,
+    Operator,
+    account_kubeconfig,
+)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -497,7 +504,7 @@ def test_the_installed_chart_runs_the_operator_with_its_own_account_then_uninsta
 ) -> None:
     """`helm install` (two peering replicas, one watched namespace, NetworkPolicies, a server image);
     the operator runs from source with the chart's Deployment arguments and only its ServiceAccount's
-    token, and reconciles an InferenceService (a verb the ClusterRole lacks would leave it not Ready);
+    token, and reconciles the Llama example (a verb the ClusterRole lacks would leave it not Ready);
     `helm uninstall` then leaves nothing of the release but the CRDs."""
     namespace = k8s.create_namespace("release", labels=RESTRICTED)
     workload = k8s.create_namespace("llm", labels=RESTRICTED)
@@ -535,18 +542,18 @@ def test_the_installed_chart_runs_the_operator_with_its_own_account_then_uninsta
         kubeconfig = account_kubeconfig(k8s, namespace, release, tmp_path / "operator.kubeconfig")
         operator = Operator(k8s, workload, tmp_path / "operator.log", kubeconfig=kubeconfig, argv=args[1:])
         env = Env(k8s, workload, operator)
-        env.apply(isvc("charted"))
-        env.wait_ready("charted", timeout=120)
-        served = env.get("deployment", "charted")
+        env.apply(LLAMA_EXAMPLE)
+        env.wait_ready("llama-3-8b", timeout=120)
+        served = env.get("deployment", "llama-3-8b")
         assert served is not None
         assert served["spec"]["template"]["spec"]["containers"][0]["image"] == (
             "registry.example/conveyor-server:0.1.0"
         )
-        assert env.get("networkpolicy", "charted") is not None
+        assert env.get("networkpolicy", "llama-3-8b") is not None
         peering = k8s.kubectl("-n", workload, "get", "kopfpeering", release, "-o", "json").stdout
         assert json.loads(peering).get("status"), "the operator did not register in its peering object"
         assert "403" not in operator.log_path.read_text() and "Forbidden" not in operator.log_path.read_text()
-        env.delete("charted")
+        env.delete("llama-3-8b")
     finally:
         if operator is not None:
             operator.stop()
