@@ -12,6 +12,7 @@ import faulthandler
 import json
 import logging
 import os
+import random
 import re
 import signal
 import sys
@@ -49,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="peering object name shared by operator replicas (default: kopf's)",
     )
-    parser.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    parser.add_argument(
+        "--priority",
+        type=_priority,
+        default=0,
+        help="peering priority of this replica: the highest live one acts; 'random' draws one at start, so "
+        "that replicas of one Deployment differ (kopf pauses every replica while two share a priority)",
+    )
     parser.add_argument(
         "--liveness",
         metavar="URL",
@@ -132,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
+
+
+def _priority(text: str) -> int:
+    if text == "random":
+        return random.SystemRandom().randint(1, 2**31 - 1)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'random'") from None
 
 
 _AUTHENTICATION_KINDS = ("TriggerAuthentication", "ClusterTriggerAuthentication")

@@ -333,6 +333,9 @@ def test_peering_objects_follow_the_replica_count(tmp_path: Path) -> None:
     assert sorted(p["metadata"]["namespace"] for p in objects["KopfPeering"]) == ["batch", "llm"]
     args = operator_args(objects)
     assert "--peering=conveyor" in args and "--standalone" not in args
+    assert "--priority=random" in args
+    priorities = {build_parser().parse_args(args[1:]).priority for _ in range(3)}
+    assert len(priorities) == 3  # each replica draws its own: equal priorities would pause them all
     (deployment,) = objects["Deployment"]
     assert deployment["spec"]["replicas"] == 3
     (cluster_peering,) = rendered(tmp_path, "--set", "replicaCount=2")["ClusterKopfPeering"]
@@ -541,6 +544,17 @@ def test_the_installed_chart_runs_the_operator_with_its_own_account_then_uninsta
         assert args[0] == "operator" and f"--peering={release}" in args
         kubeconfig = account_kubeconfig(k8s, namespace, release, tmp_path / "operator.kubeconfig")
         operator = Operator(k8s, workload, tmp_path / "operator.log", kubeconfig=kubeconfig, argv=args[1:])
+        # The Deployment's second replica, with the same arguments: kopf's peering keeps one active.
+        # (A pod of its own would have its own ports; here they share the host's.)
+        standby_args = [
+            f"--liveness=http://0.0.0.0:{free_port()}/healthz"
+            if a.startswith("--liveness=")
+            else f"--metrics-port={free_port()}"
+            if a.startswith("--metrics-port=")
+            else a
+            for a in args[1:]
+        ]
+        standby = Operator(k8s, workload, tmp_path / "standby.log", kubeconfig=kubeconfig, argv=standby_args)
         env = Env(k8s, workload, operator)
         env.apply(LLAMA_EXAMPLE)
         env.wait_ready("llama-3-8b", timeout=120)
@@ -550,13 +564,24 @@ def test_the_installed_chart_runs_the_operator_with_its_own_account_then_uninsta
             "registry.example/conveyor-server:0.1.0"
         )
         assert env.get("networkpolicy", "llama-3-8b") is not None
-        peering = k8s.kubectl("-n", workload, "get", "kopfpeering", release, "-o", "json").stdout
-        assert json.loads(peering).get("status"), "the operator did not register in its peering object"
-        assert "403" not in operator.log_path.read_text() and "Forbidden" not in operator.log_path.read_text()
+        logs = [operator.log_path.read_text(), standby.log_path.read_text()]
+        assert not any("403" in log or "Forbidden" in log for log in logs)
+        assert not any("Pausing all operators" in log for log in logs), "equal priorities paused both"
+
+        # Both replicas keep their entry alive in the peering object, each with its own priority,
+        # and only the active one (the highest) reconciled.
+        def peers() -> dict[str, Any] | None:
+            body = json.loads(k8s.kubectl("-n", workload, "get", "kopfpeering", release, "-o", "json").stdout)
+            return body.get("status") if len(body.get("status") or {}) == 2 else None
+
+        status = env.eventually(peers, "both replicas in the peering object")
+        assert len({peer["priority"] for peer in status.values()}) == 2
+        assert sum("created Deployment" in log for log in logs) == 1
         env.delete("llama-3-8b")
     finally:
         if operator is not None:
             operator.stop()
+            standby.stop()
         helm(tmp_path, "uninstall", release, "--namespace", namespace, "--wait", kubeconfig=k8s.kubeconfig)
     selector = f"app.kubernetes.io/instance={release}"
     left = k8s.kubectl(
