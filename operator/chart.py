@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
+from conveyor.operator.spec import DNS1123_SUBDOMAIN, LABEL_KEY, LABEL_VALUE
 from conveyor.server.api.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +48,23 @@ TtftObjective = Literal[TTFT_OBJECTIVES] | Literal[_spellings(TTFT_OBJECTIVES)] 
 TpotObjective = Literal[TPOT_OBJECTIVES] | Literal[_spellings(TPOT_OBJECTIVES)]  # type: ignore[valid-type]
 
 Port = Annotated[int, Field(ge=1, le=65535)]
-LabelMap = dict[
-    Annotated[str, StringConstraints(max_length=317)], Annotated[str, StringConstraints(max_length=63)]
+# Label keys and values as Kubernetes validates them (the operator's own rules, operator/spec.py).
+LabelMap = Annotated[
+    dict[
+        Annotated[str, StringConstraints(pattern=LABEL_KEY, max_length=317)],
+        Annotated[str, StringConstraints(pattern=LABEL_VALUE)],
+    ],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": LABEL_KEY, "maxLength": 317},
+            "additionalProperties": {"type": "string", "pattern": LABEL_VALUE},
+        }
+    ),
 ]
+OptionalName = Annotated[str, StringConstraints(pattern=f"^$|{DNS1123_SUBDOMAIN}", max_length=253)]
+# KEDA's authModes: one or more of these, comma-separated (the operator's --keda-auth-modes).
+AUTH_MODES = r"^((bearer|basic|tls|custom)(,(bearer|basic|tls|custom))*)?$"
 Duration = Annotated[str, StringConstraints(pattern=r"^([0-9]+(ms|s|m|h|d|w|y))+$")]
 # A Kubernetes object given as-is (affinity, a security context, resources): the API server checks it.
 KubeObject = dict[str, Any]
@@ -80,7 +95,9 @@ class ServerImageValues(_Values):
 
 class ServiceAccountValues(_Values):
     create: bool = Field(default=True, description="Create the operator's ServiceAccount.")
-    name: str = Field(default="", description="Its name; empty: the release's full name.")
+    name: OptionalName = Field(
+        default="", description="Its name; empty: the release's full name (required when create is false)."
+    )
     annotations: dict[str, str] = Field(
         default_factory=dict, description="Annotations, e.g. for workload identity."
     )
@@ -133,11 +150,13 @@ class KedaValues(_Values):
     )
     authentication: str = Field(
         default="",
-        pattern=r"^((TriggerAuthentication|ClusterTriggerAuthentication)/)?([a-z0-9]([-.a-z0-9]*[a-z0-9])?)?$",
+        pattern=r"^(((TriggerAuthentication|ClusterTriggerAuthentication)/)?[a-z0-9]([-.a-z0-9]*[a-z0-9])?)?$",
         description="[ClusterTriggerAuthentication/]NAME holding that Prometheus' credentials; empty: none.",
     )
-    auth_modes: Literal["", "bearer", "basic", "tls", "custom"] = Field(
-        default="", description="KEDA's authModes for those credentials."
+    auth_modes: str = Field(
+        default="",
+        pattern=AUTH_MODES,
+        description="KEDA's authModes for those credentials: bearer, tls,basic ...",
     )
     polling_interval_seconds: int = Field(default=15, ge=1, description="Seconds between KEDA's queries.")
 
@@ -183,7 +202,9 @@ class DashboardValues(_Values):
         default_factory=lambda: {"grafana_dashboard": "1"},
         description="Its labels; Grafana's dashboard sidecar (kube-prometheus-stack) loads ConfigMaps labelled so.",
     )
-    namespace: str = Field(default="", description="Its namespace (Grafana's); empty: the release's.")
+    namespace: OptionalName = Field(
+        default="", description="Its namespace (Grafana's); empty: the release's."
+    )
 
 
 class PrometheusAdapterValues(_Values):
@@ -200,7 +221,7 @@ class NetworkPolicyValues(_Values):
         description="The operator renders a NetworkPolicy per InferenceService: only its router, pods of its "
         "namespace and the peers below reach the server pods (`conveyor operator --network-policy-from`).",
     )
-    from_: list[KubeObject] = Field(
+    from_: list[Annotated[KubeObject, Field(min_length=1)]] = Field(
         default_factory=list,
         alias="from",
         description="Extra NetworkPolicyPeers allowed in, e.g. Prometheus' namespace or an ingress gateway.",
@@ -228,9 +249,10 @@ class ChartValues(_Values):
         default_factory=list, description="Secrets for pulling the operator's image, e.g. [{name: regcred}]."
     )
     server_image: ServerImageValues = Field(default_factory=ServerImageValues)
-    watch_namespaces: list[str] = Field(
+    watch_namespaces: list[Annotated[str, StringConstraints(pattern=r"^[-a-z0-9*?\[\]]{1,63}$")]] = Field(
         default_factory=list,
-        description="Namespaces whose InferenceServices the operator reconciles; empty: all.",
+        description="Namespaces whose InferenceServices the operator reconciles (glob patterns only with one "
+        "replica: peering needs a KopfPeering in each namespace); empty: all.",
     )
     replica_count: int = Field(
         default=1,
@@ -273,7 +295,7 @@ class ChartValues(_Values):
     )
     tolerations: list[KubeObject] = Field(default_factory=list, description="The operator pods' tolerations.")
     affinity: KubeObject = Field(default_factory=dict, description="The operator pods' affinity.")
-    priority_class_name: str = Field(default="", description="The operator pods' priorityClassName.")
+    priority_class_name: OptionalName = Field(default="", description="The operator pods' priorityClassName.")
     pod_security_context: KubeObject = Field(
         default_factory=lambda: {
             "runAsNonRoot": True,

@@ -11,6 +11,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     peering.add_argument(
         "--peering",
         metavar="NAME",
+        type=_name,
         default=None,
         help="peering object name shared by operator replicas (default: kopf's)",
     )
@@ -67,19 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--prometheus-url",
         metavar="URL",
         default=os.environ.get("CONVEYOR_PROMETHEUS_URL"),
+        type=_url,
         help="Prometheus server the builtin autoscaler queries (env CONVEYOR_PROMETHEUS_URL); "
         "without it autoscaled resources hold their replicas with MetricsAvailable=False",
     )
     parser.add_argument(
         "--autoscale-interval",
         metavar="SECONDS",
-        type=float,
+        type=_positive_seconds,
         default=15.0,
         help="seconds between two builtin-autoscaler steps of one InferenceService (default 15)",
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=8081,
         help="port of the operator's own Prometheus metrics at /metrics (0: off; default 8081)",
     )
@@ -96,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--server-image",
         metavar="IMAGE",
         default=os.environ.get("CONVEYOR_SERVER_IMAGE", DEFAULT_IMAGE),
+        type=_image,
         help=f"server image of InferenceServices without spec.image (env CONVEYOR_SERVER_IMAGE; default "
         f"{DEFAULT_IMAGE})",
     )
@@ -112,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     keda.add_argument(
         "--keda-prometheus-url",
         metavar="URL",
+        type=_url,
         default=None,
         help="the Prometheus KEDA's triggers query (default: --prometheus-url, else "
         "http://prometheus-operated.monitoring.svc:9090)",
@@ -127,18 +132,67 @@ def build_parser() -> argparse.ArgumentParser:
     keda.add_argument(
         "--keda-auth-modes",
         metavar="MODES",
+        type=_auth_modes,
         default=None,
-        help="KEDA's authModes: bearer, basic, tls or custom",
+        help="KEDA's authModes: bearer, basic, tls or custom, or several comma-separated (tls,basic)",
     )
     keda.add_argument(
         "--keda-polling-interval",
         metavar="SECONDS",
-        type=int,
+        type=_positive_int,
         default=15,
         help="seconds between KEDA's queries (default 15)",
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
+
+
+def _url(text: str) -> str:
+    if not re.match(r"^https?://[^/\s]+", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
+    return text
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535; 0: off)")
+    return int(text)
+
+
+def _name(text: str) -> str:
+    if not re.match(DNS1123_SUBDOMAIN, text) or len(text) > 253:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Kubernetes object name (lowercase, digits, '-', '.')"
+        )
+    return text
+
+
+def _image(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an image reference")
+    return text
+
+
+def _auth_modes(text: str) -> str:
+    if not re.match(r"^(bearer|basic|tls|custom)(,(bearer|basic|tls|custom))*$", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not bearer, basic, tls or custom (comma-separated)")
+    return text
 
 
 def _priority(text: str) -> int:
@@ -155,7 +209,7 @@ _AUTHENTICATION_KINDS = ("TriggerAuthentication", "ClusterTriggerAuthentication"
 
 def _authentication(text: str) -> tuple[str, str]:
     kind, _, name = text.rpartition("/")
-    kind = kind or "TriggerAuthentication"
+    kind = kind or ("TriggerAuthentication" if "/" not in text else "")
     if kind not in _AUTHENTICATION_KINDS or not re.match(DNS1123_SUBDOMAIN, name):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not [TriggerAuthentication/|ClusterTriggerAuthentication/]NAME"
@@ -163,13 +217,20 @@ def _authentication(text: str) -> tuple[str, str]:
     return kind, name
 
 
+_PEER_KEYS = {"podSelector", "namespaceSelector", "ipBlock"}
+
+
 def _peers(text: str) -> list[dict[str, Any]]:
     try:
         peers = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(peers, list) or not all(isinstance(p, dict) and p for p in peers):
-        raise argparse.ArgumentTypeError("must be a JSON list of NetworkPolicyPeer objects")
+    if not isinstance(peers, list) or not all(
+        isinstance(p, dict) and p and set(p) <= _PEER_KEYS for p in peers
+    ):
+        raise argparse.ArgumentTypeError(
+            "must be a JSON list of NetworkPolicyPeer objects (podSelector, namespaceSelector, ipBlock)"
+        )
     return peers
 
 
@@ -204,14 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     # One line per Prometheus query and per timer run would drown the decisions in the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").addFilter(_QuietRoutine())
-    if args.autoscale_interval <= 0:
-        parser.error("--autoscale-interval must be > 0")
     # Importing registers the handlers with kopf's default registry.
     from conveyor.operator import handlers
 
     handlers.configure_scope(list(args.namespace), dict(args.service_monitor_label))
-    if args.keda_polling_interval < 1:
-        parser.error("--keda-polling-interval must be >= 1")
     keda = KedaSettings(
         args.keda_prometheus_url,
         args.keda_authentication,

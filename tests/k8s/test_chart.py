@@ -291,6 +291,32 @@ def test_values_schema_refuses_a_wrong_type_naming_the_value(tmp_path: Path) -> 
         assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["replicaCount=2", "watchNamespaces={llm,team-*}"], '"team-*" is a glob pattern, but peering'),
+        (["metrics.port=8080"], "metrics.port and livenessPort are both 8080"),
+        (["metrics.port=0", "metrics.serviceMonitor.enabled=true"], "needs metrics.port"),
+        (["serviceAccount.create=false"], "name the existing ServiceAccount"),
+        (["serviceMonitorLabels.team=a/b"], "at '/serviceMonitorLabels/team'"),
+    ],
+)
+def test_value_combinations_the_operator_could_not_run_are_refused(
+    tmp_path: Path, values: list[str], message: str
+) -> None:
+    args = [arg for value in values for arg in ("--set", value)]
+    result = helm(tmp_path, "template", "x", str(CHART), *args, check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_a_standalone_operator_is_replaced_not_rolled(tmp_path: Path) -> None:
+    """One replica without peering must never overlap with its successor; peering replicas roll."""
+    (deployment,) = rendered(tmp_path)["Deployment"]
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    (deployment,) = rendered(tmp_path, "--set", "replicaCount=2")["Deployment"]
+    assert "strategy" not in deployment["spec"]
+
+
 def test_everything_on_renders_every_optional_object(tmp_path: Path) -> None:
     objects = rendered(tmp_path, "--values", str(CHART / "ci" / "everything-on.yaml"))
     assert {"ServiceMonitor", "PrometheusRule", "Service", "ConfigMap", "Pod"} <= set(objects)
@@ -319,7 +345,9 @@ def test_everything_on_renders_every_optional_object(tmp_path: Path) -> None:
     peers = next(a for a in args if a.startswith("--network-policy-from="))
     parsed = build_parser().parse_args(args[1:])
     assert parsed.network_policy_from == [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+        # helm test's pod runs in the release's namespace: its request must get through.
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "conveyor-system"}}},
     ], peers
     (deployment,) = objects["Deployment"]
     pod = deployment["spec"]["template"]["spec"]

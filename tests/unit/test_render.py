@@ -24,7 +24,6 @@ from conveyor.operator.render import (
     selector_string,
     server_args,
 )
-from conveyor.operator.run import build_parser as operator_parser
 from conveyor.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, RouterSpec, parse_spec
 from conveyor.operator.status import build_status
 
@@ -918,17 +917,6 @@ def test_the_operators_server_image_fills_in_only_a_missing_image() -> None:
     assert pod["containers"][0]["image"] == "registry.example/server:2"
 
 
-def test_operator_flags_for_the_server_image_and_network_policy() -> None:
-    parser = operator_parser()
-    args = parser.parse_args(["--server-image", "r/s:1", "--network-policy-from", '[{"podSelector": {}}]'])
-    assert (args.server_image, args.network_policy_from) == ("r/s:1", [{"podSelector": {}}])
-    assert parser.parse_args([]).network_policy_from is None
-    assert parser.parse_args([]).server_image == DEFAULT_IMAGE
-    for bad in ("{", '{"podSelector": {}}', "[1]"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--network-policy-from", bad])
-
-
 def test_keda_settings_reach_every_trigger() -> None:
     spec = _spec(autoscaling={**THREE_TARGETS, "engine": "keda"})
     keda = KedaSettings(
@@ -952,14 +940,3 @@ def test_keda_settings_reach_every_trigger() -> None:
             "name": "prometheus-token",
             "kind": "ClusterTriggerAuthentication",
         }
-
-
-def test_keda_flags_parse_into_settings() -> None:
-    parser = operator_parser()
-    args = parser.parse_args(["--keda-authentication", "prom-auth", "--keda-auth-modes", "basic"])
-    assert args.keda_authentication == ("TriggerAuthentication", "prom-auth")
-    args = parser.parse_args(["--keda-authentication", "ClusterTriggerAuthentication/prom"])
-    assert args.keda_authentication == ("ClusterTriggerAuthentication", "prom")
-    for bad in ("Secret/prom", "ClusterTriggerAuthentication/Bad_Name"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--keda-authentication", bad])

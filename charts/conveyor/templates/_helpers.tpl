@@ -59,3 +59,33 @@ app.kubernetes.io/component: operator
 {{- $le := printf "%v" (float64 .) -}}
 {{- if contains "." $le }}{{ $le }}{{ else }}{{ $le }}.0{{ end -}}
 {{- end }}
+
+{{/* Value combinations the schema cannot express, refused with what to change. */}}
+{{- define "conveyor.validate" -}}
+{{- if include "conveyor.peering" . }}
+{{- range .Values.watchNamespaces }}
+{{- if regexMatch "[*?\\[]" . }}
+{{- fail (printf "watchNamespaces: %q is a glob pattern, but peering (replicaCount > 1 or peering set) needs a KopfPeering in each namespace: list the namespaces, or run one replica" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.metrics.port (eq (int .Values.metrics.port) (int .Values.livenessPort)) }}
+{{- fail (printf "metrics.port and livenessPort are both %v: give them different ports" .Values.livenessPort) }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.port) }}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.port (0 turns the operator's metrics off)" }}
+{{- end }}
+{{- if and (not .Values.serviceAccount.create) (not .Values.serviceAccount.name) }}
+{{- fail "serviceAccount.create is false: name the existing ServiceAccount in serviceAccount.name" }}
+{{- end }}
+{{- end -}}
+
+{{/* The NetworkPolicyPeers the operator admits to server pods: networkPolicy.from, and the release's
+     namespace when `helm test` sends a request from there. */}}
+{{- define "conveyor.networkPolicyFrom" -}}
+{{- $peers := .Values.networkPolicy.from }}
+{{- if .Values.helmTest.inferenceService }}
+{{- $peers = append $peers (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace))) }}
+{{- end }}
+{{- toJson $peers -}}
+{{- end -}}
