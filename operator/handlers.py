@@ -22,7 +22,6 @@ import logging
 import re
 import threading
 import time
-from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -423,9 +422,7 @@ def _children(
         replicas,
         service_monitor=cluster.has_api(*SERVICE_MONITOR),
         scaled_object=has_keda,
-        keda=_keda
-        if _keda.prometheus_url or _prometheus is None
-        else replace(_keda, prometheus_url=_prometheus.url),
+        keda=_keda,
         service_monitor_labels=_service_monitor_labels,
         inference_pool=spec.router_enabled and cluster.has_api(*INFERENCE_POOL),
         network_policy_from=_network_policy_from,
@@ -582,8 +579,7 @@ def configure_children(
     server_image: str, network_policy_from: list[dict[str, Any]] | None, keda: KedaSettings
 ) -> None:
     """The server image of resources without `spec.image`, the extra NetworkPolicyPeers let into the
-    server pods (None: no NetworkPolicy), and the ScaledObjects' settings (their Prometheus defaults
-    to the builtin autoscaler's)."""
+    server pods (None: no NetworkPolicy), and the ScaledObjects' settings."""
     global _server_image, _network_policy_from, _keda
     _server_image, _network_policy_from, _keda = server_image, network_policy_from, keda
 

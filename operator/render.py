@@ -18,6 +18,7 @@ Each selector needs a key the other kind of pod lacks, so neither can match the 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,12 +350,12 @@ def render_deployment(
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
-        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     if spec.env_from:
         container["envFrom"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env_from]
     pod_spec: dict[str, Any] = {
-        "securityContext": POD_SECURITY_CONTEXT,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
         "containers": [container],
         "nodeSelector": node_selector,
         "tolerations": tolerations,
@@ -556,7 +557,7 @@ def render_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[s
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": mounts,
-        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     if spec.env_from:
         container["envFrom"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env_from]
@@ -574,7 +575,7 @@ def render_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[s
                 "spec": {
                     "serviceAccountName": router_name(owner.name),
                     "automountServiceAccountToken": True,
-                    "securityContext": POD_SECURITY_CONTEXT,
+                    "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
                     "containers": [container],
                     "volumes": volumes,
                     # Streams in flight finish after the endpoint is removed, as on the server.

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers.configure_scope(list(args.namespace), dict(args.service_monitor_label))
     keda = KedaSettings(
-        args.keda_prometheus_url,
+        args.keda_prometheus_url or args.prometheus_url,
         args.keda_authentication,
         args.keda_auth_modes,
         args.keda_polling_interval,
