@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import openai
 import pytest
 
 from conveyor.benchmarks.dashboard import load, render
-from tests.prometheus import PrometheusServer
+from tests.e2e.conftest import ServeProcess, start_serve
+from tests.prometheus import PrometheusServer, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +28,19 @@ OPERATOR_PANELS = {"Autoscaler decisions by reason"}
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def test_every_server_panel_finds_its_series_under_load(serve_process, tmp_path: Path) -> None:
+@pytest.fixture
+def loaded_server(tmp_path: Path) -> Iterator[ServeProcess]:
+    """A server of its own: the load below must not reach the counts other tests assert on the
+    session's server."""
+    server = start_serve(tmp_path / "serve.log")
+    try:
+        yield server
+    finally:
+        stop_process(server.proc)
+
+
+def test_every_server_panel_finds_its_series_under_load(loaded_server: ServeProcess, tmp_path: Path) -> None:
+    serve_process = loaded_server
     (tmp_path / "prometheus").mkdir()
     prometheus = PrometheusServer(tmp_path / "prometheus")
     prometheus.set_targets([(f"127.0.0.1:{serve_process.port}", LABELS)])
