@@ -295,16 +295,23 @@ def create_app(
             pool = EndpointPool(client, config.scrape_interval, config.prefix_mode)
             app.state.router = Router(config, tokenizer, pool, client, metrics, rng)
             watch = None
+            loop = asyncio.get_running_loop()
             if config.service is not None:
                 from conveyor.server.router.endpoints import EndpointSliceWatch
 
-                loop = asyncio.get_running_loop()
                 namespace, name = config.service.split("/")
                 watch = EndpointSliceWatch(
                     namespace,
                     name,
                     config.service_port_name,
                     lambda urls: loop.call_soon_threadsafe(pool.set_urls, urls),
+                )
+                watch.start()
+            elif config.endpoint_file is not None:
+                from conveyor.server.router.endpoints import EndpointFileWatch
+
+                watch = EndpointFileWatch(
+                    config.endpoint_file, lambda urls: loop.call_soon_threadsafe(pool.set_urls, urls)
                 )
                 watch.start()
             else:

@@ -13,6 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Policy = Literal["prefix-aware", "least-load", "round-robin"]
 
 
+def is_base_url(url: str) -> bool:
+    """Whether `url` is a replica base URL: http(s), a host, a valid port if any, no path."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path.strip("/")
+
+
 class RouterConfig(BaseModel):
     """Where the replicas are and how a request picks one."""
 
@@ -30,6 +40,12 @@ class RouterConfig(BaseModel):
         "EndpointSlices, followed as they change",
     )
     service_port_name: str = Field("http", description="the EndpointSlice port used with --service")
+    endpoint_file: str | None = Field(
+        None,
+        min_length=1,
+        description="a file of replica base URLs, one per line (# comments), re-read within a second of "
+        "every change: replicas another tool keeps track of",
+    )
     policy: Policy = Field(
         "prefix-aware",
         description="prefix-aware = weighted queue, KV-use and prefix-affinity scores; least-load = queue "
@@ -81,22 +97,14 @@ class RouterConfig(BaseModel):
     @classmethod
     def _base_urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
-            parts = urlsplit(url)
-            try:
-                port = parts.port
-            except ValueError:
-                port = -1
-            if (
-                parts.scheme not in ("http", "https")
-                or not parts.hostname
-                or port == -1
-                or parts.path.strip("/")
-            ):
+            if not is_base_url(url):
                 raise ValueError(f"{url!r} is not a replica base URL like http://10.0.0.7:8000")
         return urls
 
     @model_validator(mode="after")
     def _one_source(self) -> RouterConfig:
-        if (self.service is None) == (not self.endpoint):
-            raise ValueError("give the replicas either as --endpoint URL ... or as --service NAMESPACE/NAME")
+        if sum((bool(self.endpoint), self.service is not None, self.endpoint_file is not None)) != 1:
+            raise ValueError(
+                "give the replicas in one way: --endpoint URL ..., --service NAMESPACE/NAME or --endpoint-file FILE"
+            )
         return self

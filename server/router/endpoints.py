@@ -6,8 +6,9 @@ count). A replica that fails a poll or a proxied connection is taken out and pol
 exponential backoff (0.5 s doubling to 30 s) until it answers. Where prefix residency is exact, one
 long-lived `GET /v1/kv_events` stream per replica feeds its PrefixIndex.
 
-Replicas come from a static list or from the EndpointSlices of a Kubernetes Service (`EndpointSliceWatch`:
-the kubernetes client's list + watch in a thread, relisting after any error).
+Replicas come from a static list, from the EndpointSlices of a Kubernetes Service (`EndpointSliceWatch`:
+the kubernetes client's list + watch in a thread, relisting after any error), or from a file of URLs
+(`EndpointFileWatch`: re-read when its size or modification time changes).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from conveyor.server.router.config import is_base_url
 from conveyor.server.router.prefix import PrefixIndex
 from conveyor.server.router.scoring import Candidate
 
@@ -338,3 +340,58 @@ class EndpointSliceWatch:
 
     def _publish(self, slices: dict[str, list[str]]) -> None:
         self.on_change(sorted({u for urls in slices.values() for u in urls}))
+
+
+def read_endpoint_file(text: str) -> list[str]:
+    """Replica base URLs of an endpoint file: one per line, blank lines and `#` comments ignored, lines
+    that are not base URLs logged and skipped (a half-edited file must not take every replica out)."""
+    urls = []
+    for number, line in enumerate(text.splitlines(), 1):
+        url = line.split("#", 1)[0].strip()
+        if not url:
+            continue
+        if is_base_url(url):
+            urls.append(url.rstrip("/"))
+        else:
+            logger.warning(
+                "endpoint file line %d: %r is not a base URL like http://10.0.0.7:8000", number, url
+            )
+    return sorted(set(urls))
+
+
+class EndpointFileWatch:
+    """Calls `on_change(urls)` with the URLs of file `path` at start and after every change (polled every
+    `interval` seconds in a daemon thread). A missing or unreadable file means no replicas, logged."""
+
+    def __init__(self, path: str, on_change: Callable[[list[str]], None], interval: float = 1.0) -> None:
+        self.path, self.on_change, self.interval = path, on_change, interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="endpoint-file-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        seen: tuple[int, int] | None = None
+        urls: list[str] | None = None
+        while not self._stopped.is_set():
+            try:
+                stat = os.stat(self.path)
+                version = (stat.st_mtime_ns, stat.st_size)
+                if version != seen:
+                    with open(self.path) as file:
+                        current = read_endpoint_file(file.read())
+                    seen = version
+                else:
+                    current = urls
+            except OSError as exc:
+                if urls != []:
+                    logger.warning("endpoint file %s: %s: no replicas", self.path, exc)
+                current, seen = [], None
+            if current != urls:
+                urls = current
+                self.on_change(list(urls or []))
+            self._stopped.wait(self.interval)

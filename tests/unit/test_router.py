@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -212,13 +213,64 @@ def test_read_metrics_of_a_replica() -> None:
 
 
 def test_router_config_needs_exactly_one_source_of_replicas() -> None:
-    with pytest.raises(ValueError, match="either"):
+    with pytest.raises(ValueError, match="in one way"):
         RouterConfig()
-    with pytest.raises(ValueError, match="either"):
+    with pytest.raises(ValueError, match="in one way"):
         RouterConfig(endpoint=["http://a"], service="ns/svc")
+    with pytest.raises(ValueError, match="in one way"):
+        RouterConfig(service="ns/svc", endpoint_file="/tmp/replicas.txt")
     with pytest.raises(ValueError, match="service"):
         RouterConfig(service="not a service")
     assert RouterConfig(service="default/llm").policy == "prefix-aware"
+    assert RouterConfig(endpoint_file="/tmp/replicas.txt").endpoint == []
+
+
+def test_endpoint_file_lists_base_urls_and_skips_the_rest() -> None:
+    """Comments and blank lines are ignored, duplicates and trailing slashes folded, and a line that is
+    not a base URL is skipped rather than taking every replica out."""
+    from conveyor.server.router.endpoints import read_endpoint_file
+
+    text = "# replicas\nhttp://10.0.0.2:8000/\n\nhttp://10.0.0.1:8000  # first\nnot a url\nhttp://10.0.0.1:8000\n"
+    assert read_endpoint_file(text) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+
+
+def test_endpoint_file_watch_follows_the_file(tmp_path) -> None:
+    """The watch reports the file's URLs at start, after an edit, and [] once the file is gone."""
+    import threading
+
+    from conveyor.server.router.endpoints import EndpointFileWatch
+
+    path = tmp_path / "replicas.txt"
+    path.write_text("http://127.0.0.1:9001\n")
+    seen: list[list[str]] = []
+    changed = threading.Event()
+
+    def on_change(urls: list[str]) -> None:
+        seen.append(urls)
+        changed.set()
+
+    watch = EndpointFileWatch(str(path), on_change, interval=0.05)
+    watch.start()
+    try:
+        for expected, edit in (
+            (["http://127.0.0.1:9001"], None),
+            (
+                ["http://127.0.0.1:9001", "http://127.0.0.1:9002"],
+                "http://127.0.0.1:9001\nhttp://127.0.0.1:9002\n",
+            ),
+            ([], "remove"),
+        ):
+            if edit == "remove":
+                path.unlink()
+            elif edit is not None:
+                path.write_text(edit)
+            deadline = time.monotonic() + 10
+            while (not seen or seen[-1] != expected) and time.monotonic() < deadline:
+                changed.wait(0.1)
+                changed.clear()
+            assert seen[-1] == expected
+    finally:
+        watch.stop()
 
 
 def test_a_burst_within_free_batch_slots_is_not_waiting() -> None:
