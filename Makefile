@@ -79,7 +79,7 @@ k8s-tools:
 	bash hack/k8s-tools/build.sh
 
 # A local control plane with simulated GPU nodes in the foreground; prints `export KUBECONFIG=...`.
-cluster: $(STAMP) k8s-tools
+cluster: $(STAMP) k8s-tools prometheus
 	$(PY) tests/k8s/cluster.py $(ARGS)
 
 # The generated files: the CRD (from operator/spec.py), the chart's values.schema.json and README's values

@@ -4,22 +4,34 @@
 on 127.0.0.1 free ports, with a CA, serving and client certificates and a service-account
 signing key generated at start. kwok simulates the nodes (Ready, with `nvidia.com/gpu`
 capacity and GPU feature-discovery labels) and the lifecycle of pods bound to them
-(Running, no container runtime). Every process is stopped by PID on `stop()`.
+(Running, no container runtime). With `process_pods=True` kwok leaves the pods of InferenceServices
+alone, for `tests/k8s/local_pods.py` to run them as local processes. Every process is stopped by PID
+on `stop()`.
 
 Binaries come from `hack/k8s-tools/build.sh` (built once per machine into a cache outside
 the repository) or from the directory named by `CONVEYOR_K8S_BIN_DIR`.
 
-Run as a script (`make cluster`) to keep a cluster in the foreground:
-    python tests/k8s/cluster.py [--pool PRODUCT:NODES:GPUS ...]
+Run as a script (`make cluster`) to keep a cluster in the foreground, with Prometheus and process-backed
+pods (`tests/k8s/local_pods.py`):
+    python tests/k8s/cluster.py [--pool PRODUCT:NODES:GPUS ...] [--max-server-processes N]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    # `make cluster` runs this file as a script (PYTHONSAFEPATH=1: the repository root is not on the path,
+    # where operator/ would shadow the standard library); appended, it cannot shadow anything.
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import base64
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,7 +39,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -36,14 +47,16 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+
+import yaml
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "k8s-tools" / "build.sh"
+KWOK_GO_MOD = REPO_ROOT / "hack" / "k8s-tools" / "kwok" / "go.mod"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -51,6 +64,10 @@ GPU_RESOURCE = "nvidia.com/gpu"
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 POD_CIDR = "10.244.0.1/16"
+# Pods carrying either label key (server and router pods of an InferenceService) are run by the local pod
+# runner when the cluster is started with `process_pods=True`; kwok's pod stages skip them.
+PROCESS_POD_LABELS = ("serving.conveyor.dev/inferenceservice", "serving.conveyor.dev/router")
+KWOK_POD_STAGES = ("pod-ready", "pod-complete", "pod-delete")
 
 # Memory per GPU in MiB as NVIDIA GPU feature discovery reports it in `nvidia.com/gpu.memory`.
 GPU_MEMORY_MIB = {
@@ -196,8 +213,10 @@ class LocalCluster:
         bin_dir: Path | None = None,
         workdir: Path | None = None,
         ready_timeout: float = 180.0,
+        process_pods: bool = False,
     ) -> None:
         self.node_pools = tuple(node_pools)
+        self.process_pods = process_pods
         self.ready_timeout = ready_timeout
         self._bin_dir = bin_dir
         self._requested_workdir = workdir
@@ -556,11 +575,12 @@ class LocalCluster:
             ],
         )
         kwok_config = self._dir / "kwok.yaml"
-        # An explicit (empty) configuration keeps a user's ~/.kwok/kwok.yaml out; with no Stage
-        # objects configured kwok applies its built-in node-fast and pod-fast stages.
-        kwok_config.write_text(
-            "apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions: {}\n"
-        )
+        # An explicit configuration keeps a user's ~/.kwok/kwok.yaml out; kind by kind (Node, Pod), with
+        # no Stage objects configured kwok applies its built-in node-fast and pod-fast stages.
+        documents = ["apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions: {}\n"]
+        if self.process_pods:
+            documents += [json.dumps(stage) for stage in kwok_pod_stages(exclude_labels=PROCESS_POD_LABELS)]
+        kwok_config.write_text("---\n".join(documents))
         self._spawn(
             "kwok",
             [
@@ -636,6 +656,24 @@ def go_module_file(module: str, path: str) -> Path:
     return Path(json.loads(out)["Dir"]) / path
 
 
+def kwok_pod_stages(exclude_labels: Sequence[str]) -> list[dict[str, Any]]:
+    """kwok's own pod-fast Stages (ready, complete, delete) from its Go module at the pinned version, each
+    selecting only pods that carry none of `exclude_labels`: those pods are left to another kubelet."""
+    version = re.search(r"^\s*sigs\.k8s\.io/kwok (v\S+)", KWOK_GO_MOD.read_text(), re.MULTILINE)
+    if version is None:
+        raise ClusterStartError(f"no sigs.k8s.io/kwok requirement in {KWOK_GO_MOD}")
+    stages = []
+    for name in KWOK_POD_STAGES:
+        path = go_module_file(f"sigs.k8s.io/kwok@{version[1]}", f"kustomize/stage/pod/fast/{name}.yaml")
+        stage = yaml.safe_load(path.read_text())
+        expressions = stage["spec"].setdefault("selector", {}).setdefault("matchExpressions", [])
+        expressions += [
+            {"key": f'.metadata.labels["{label}"]', "operator": "DoesNotExist"} for label in exclude_labels
+        ]
+        stages.append(stage)
+    return stages
+
+
 def _tail(text: str, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
@@ -685,7 +723,10 @@ def _parse_pool(text: str) -> NodePool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a cluster in the foreground until Ctrl-C or SIGTERM."""
+    """Run a cluster in the foreground until Ctrl-C or SIGTERM, with Prometheus and process-backed pods."""
+    from tests.k8s.local_pods import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_SERVER_PROCESSES, LocalPods
+    from tests.prometheus import PrometheusServer
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--pool",
@@ -697,17 +738,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ")",
     )
     parser.add_argument("--workdir", type=Path, help="keep certificates, kubeconfig, logs and etcd data here")
+    parser.add_argument(
+        "--max-server-processes",
+        type=int,
+        default=DEFAULT_MAX_SERVER_PROCESSES,
+        help="server pods of InferenceServices run as local processes, at most this many at once; "
+        "0: kwok simulates them too (they run nothing) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=DEFAULT_KV_CACHE_MEMORY,
+        help="KV cache bytes of each server process (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=5.0,
+        help="Prometheus' scrape interval in seconds (default: 5)",
+    )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    if args.max_server_processes < 0:
+        parser.error("--max-server-processes must be >= 0")
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    cluster = LocalCluster(args.pool or DEFAULT_NODE_POOLS, workdir=args.workdir)
+    process_pods = args.max_server_processes > 0
+    cluster = LocalCluster(args.pool or DEFAULT_NODE_POOLS, workdir=args.workdir, process_pods=process_pods)
+    prometheus: PrometheusServer | None = None
+    pods: LocalPods | None = None
     try:
         cluster.start()
         print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product,nvidia.com/gpu.count").stdout)
         print(f"Control plane ready in {cluster.startup_seconds:.1f}s; logs in {cluster.workdir}/logs")
+        if process_pods:
+            prometheus_dir = cluster._dir / "prometheus"
+            prometheus_dir.mkdir()
+            prometheus = PrometheusServer(prometheus_dir, scrape_interval=args.scrape_interval)
+            prometheus.start()
+            pods = LocalPods(
+                cluster,
+                cluster._dir,
+                max_server_processes=args.max_server_processes,
+                kv_cache_memory=args.kv_cache_memory,
+                prometheus=prometheus,
+                on_reachable=lambda ns, name, url: print(f"InferenceService {ns}/{name}: {url}", flush=True),
+            ).start()
+            print(f"Prometheus: {prometheus.url}")
+            print(f"Pods of InferenceServices run here as processes (logs in {cluster.workdir}/pods)")
         print("In another shell:\n")
         print(f"export KUBECONFIG={cluster.kubeconfig}")
         print(f"export PATH={cluster.bin_dir}:$PATH\n")
@@ -717,10 +799,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(1)
     except KeyboardInterrupt:
         print("\nstopping", file=sys.stderr)
-    except (ClusterStartError, ToolsBuildError) as error:
+    except (ClusterStartError, ToolsBuildError, RuntimeError) as error:
         print(error, file=sys.stderr)
         return 1
     finally:
+        if pods is not None:
+            pods.stop()
+        if prometheus is not None:
+            prometheus.stop()
         cluster.stop()
     return 0
 

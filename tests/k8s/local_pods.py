@@ -1,0 +1,657 @@
+"""Process-backed pods: the local cluster's kubelet for the pods of InferenceServices.
+
+kwok simulates every pod on the local cluster's GPU nodes, but on a cluster started with
+`LocalCluster(process_pods=True)` it leaves the server and router pods of InferenceServices alone
+(`cluster.PROCESS_POD_LABELS`), and `LocalPods` runs them for real:
+
+- **Start.** For each such pod bound to a node, the container's command and args (the `conveyor serve`
+  or `conveyor router` the operator rendered) run as a local process on 127.0.0.1 and a free port, with
+  GPU-specific flags mapped to CPU equivalents (`local_command`, every mapping logged): tensor
+  parallelism to one rank, `--gpu-memory-utilization` to a `--kv-cache-memory` pool, a half dtype to
+  the CPU's own `auto` choice, and a model that is not on this machine to the embedded SmolLM2-135M.
+  The pod gets an IP of its own (10.245.0.0/16, never routed: only the local forwarders and Prometheus
+  know where the process listens), phase Running and a container status naming the PID.
+- **Readiness.** The pod turns Ready only when the container's readiness probe path answers 200: probed
+  every second until it first does, then with the probe's own period, timeout and failure threshold.
+- **Restarts.** A process that exits makes the pod not Ready, its container status records the exit
+  (`lastState.terminated`) and the restart count, and it is started again after a back-off (1 s, doubling
+  to 30 s; the kubelet's starts at 10 s).
+- **Limits.** At most `max_server_processes` server processes live at once (2 cores hold about 3); the
+  pods beyond stay Pending with container reason `LocalProcessLimit` and start, oldest first, when a
+  slot frees. Router processes (a tokenizer and a proxy) do not count.
+- **Deletion.** A pod being deleted gets SIGTERM, then SIGKILL after its grace period, and is removed
+  from the API once its process has exited; a pod that vanished has its process killed.
+- **Monitoring.** Every live process is a Prometheus target (file-based service discovery) with the
+  labels a ServiceMonitor gives: namespace, pod, service, endpoint, container, job, instance.
+- **Traffic.** Each InferenceService gets a loopback forwarder (`forwarder.Forwarders`) to its ready
+  router processes when it has a router, else to its ready server processes; `on_reachable` is told its
+  URL the first time it has a backend, and the forwarder closes when the InferenceService is deleted.
+  Router processes read their replicas from a file this runner rewrites (`--endpoint-file`) instead of
+  EndpointSlices, whose addresses no process here listens on.
+
+Liveness probes are not run (a hung process stays until it exits); init containers, sidecars and
+volumes are not modelled: env values pointing into a volume mount are dropped, so caches go to the
+host's defaults, shared by every pod (the embedded model is converted once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.k8s.cluster import PROCESS_POD_LABELS, LocalCluster
+from tests.k8s.forwarder import Forwarders
+
+logger = logging.getLogger("conveyor.local_pods")
+
+LABEL_INFERENCE_SERVICE, LABEL_ROUTER = PROCESS_POD_LABELS
+ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL = "serving.conveyor.dev", "v1alpha1", "inferenceservices"
+DEFAULT_MAX_SERVER_PROCESSES = 3
+DEFAULT_KV_CACHE_MEMORY = 512 << 20
+POD_IP_PREFIX = "10.245"
+LIMIT_REASON = "LocalProcessLimit"
+UNSUPPORTED_REASON = "UnsupportedCommand"
+FIRST_PROBE_PERIOD = 1.0
+BACKOFF_START, BACKOFF_MAX = 1.0, 30.0
+HALF_DTYPES = ("float16", "bfloat16", "half")
+
+
+class UnsupportedPodError(ValueError):
+    """The pod's container is not a `conveyor serve` or `conveyor router` this runner can start."""
+
+
+@dataclass(frozen=True)
+class LocalCommand:
+    """How one container runs here: `argv`, the environment it adds, and what was mapped (logged)."""
+
+    kind: str  # "server" or "router"
+    argv: list[str]
+    env: dict[str, str]
+    notes: list[str]
+
+
+def model_available(model: str) -> bool:
+    """Whether `model` (a path or hub id) can be loaded here without a download: an existing path, or a
+    hub id whose config.json is in the local Hugging Face cache."""
+    if Path(model).exists():
+        return True
+    if model.startswith(("/", ".")) or model.count("/") != 1:
+        return False
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(model, "config.json"), str)
+
+
+def local_command(
+    container: dict[str, Any],
+    port: int,
+    *,
+    conveyor: str,
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+    endpoint_file: Path | None = None,
+    available: Callable[[str], bool] = model_available,
+) -> LocalCommand:
+    """Map a pod's container (API JSON) to a local process listening on 127.0.0.1:`port`.
+
+    `conveyor`: the executable to run for the container's `conveyor`. `endpoint_file`: where a router
+    reads its replicas. Raises UnsupportedPodError for any other command.
+    """
+    command = [*(container.get("command") or []), *(container.get("args") or [])]
+    if len(command) < 2 or Path(command[0]).name != "conveyor" or command[1] not in ("serve", "router"):
+        raise UnsupportedPodError(f"not a conveyor server or router: {' '.join(command)[:200]!r}")
+    kind = "server" if command[1] == "serve" else "router"
+    args, notes = list(command[2:]), []
+    _set_flag(args, "--host", "127.0.0.1")
+    _set_flag(args, "--port", str(port))
+    if kind == "server":
+        if args and not args[0].startswith("-") and not available(args[0]):
+            notes.append(
+                f"model {args[0]} is not on this machine: serving the embedded SmolLM2-135M-Instruct"
+            )
+            args.pop(0)
+        tensor_parallel = _get_flag(args, "--tensor-parallel-size")
+        if tensor_parallel not in (None, "1"):
+            _set_flag(args, "--tensor-parallel-size", "1")
+            notes.append(f"--tensor-parallel-size {tensor_parallel} -> 1 (one CPU process)")
+        utilization = _get_flag(args, "--gpu-memory-utilization")
+        if utilization is not None:
+            _set_flag(args, "--gpu-memory-utilization", None)
+        if _get_flag(args, "--kv-cache-memory") is None:
+            _set_flag(args, "--kv-cache-memory", str(kv_cache_memory))
+            notes.append(
+                f"--gpu-memory-utilization {utilization or 'default'} -> --kv-cache-memory {kv_cache_memory}"
+            )
+        dtype = _get_flag(args, "--dtype")
+        if dtype in HALF_DTYPES:
+            _set_flag(args, "--dtype", "auto")
+            notes.append(f"--dtype {dtype} -> auto (bfloat16 only where this CPU computes it natively)")
+    else:
+        service = _get_flag(args, "--service")
+        if service is not None:
+            if endpoint_file is None:
+                raise UnsupportedPodError("a router reading EndpointSlices needs an endpoint file here")
+            _set_flag(args, "--service", None)
+            _set_flag(args, "--service-port-name", None)
+            _set_flag(args, "--endpoint-file", str(endpoint_file))
+            notes.append(
+                f"--service {service} -> --endpoint-file {endpoint_file} (the ready server processes)"
+            )
+        tokenizer = _get_flag(args, "--tokenizer")
+        if tokenizer is not None and not available(tokenizer):
+            _set_flag(args, "--tokenizer", None)
+            notes.append(
+                f"tokenizer {tokenizer} is not on this machine: the embedded SmolLM2-135M-Instruct's"
+            )
+    env, mounts = {}, [m["mountPath"] for m in container.get("volumeMounts") or []]
+    for variable in container.get("env") or []:
+        value = variable.get("value")
+        if value is None:
+            notes.append(f"env {variable['name']}: only literal values are set here")
+        elif any(value == m or value.startswith(m.rstrip("/") + "/") for m in mounts):
+            notes.append(f"env {variable['name']}={value} is in a volume: left to this machine's default")
+        else:
+            env[variable["name"]] = value
+    return LocalCommand(kind, [conveyor, command[1], *args], env, notes)
+
+
+def _get_flag(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name:
+            return args[i + 1] if i + 1 < len(args) else None
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _set_flag(args: list[str], name: str, value: str | None) -> None:
+    """Replace every `name VALUE` / `name=VALUE` in `args` by one `name value` (None: remove them)."""
+    i, found = 0, False
+    while i < len(args):
+        if args[i] == name or args[i].startswith(name + "="):
+            width = 2 if args[i] == name else 1
+            del args[i : i + width]
+            if value is not None and not found:
+                args[i:i] = [name, value]
+                i += 2
+            found = True
+        else:
+            i += 1
+    if value is not None and not found:
+        args += [name, value]
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LocalPod:
+    """One process-backed pod: what runs for it and what its status says."""
+
+    namespace: str
+    name: str
+    uid: str
+    isvc: str
+    container: dict[str, Any]
+    ip: str
+    created: str
+    command: LocalCommand | None = None
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    started_at: str | None = None
+    restart_count: int = 0
+    last_terminated: dict[str, Any] | None = None
+    restart_at: float | None = None
+    ready: bool = False
+    probe_failures: int = 0
+    next_probe_at: float = 0.0
+    probe: Future[bool] | None = None
+    terminating_since: float | None = None
+    grace_seconds: float = 30.0
+    waiting: tuple[str, str] | None = None
+    reported: dict[str, Any] | None = field(default=None, repr=False)
+    transitions: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def kind(self) -> str:
+        return self.command.kind if self.command else "server"
+
+    def readiness(self) -> tuple[str, float, float, int]:
+        """(path, period, timeout, failure threshold) of the container's readiness probe."""
+        probe = self.container.get("readinessProbe") or {}
+        http = probe.get("httpGet") or {}
+        return (
+            http.get("path", "/health"),
+            float(probe.get("periodSeconds", 10)),
+            float(probe.get("timeoutSeconds", 1)),
+            int(probe.get("failureThreshold", 3)),
+        )
+
+
+class LocalPods:
+    """Runs the InferenceService pods of `cluster` (started with `process_pods=True`) as processes.
+
+    `prometheus`: a `tests.prometheus.PrometheusServer` whose targets follow the live processes.
+    `on_reachable(namespace, name, url)`: called once per InferenceService when its URL first has a
+    backend. `start()` runs a reconcile loop in a daemon thread every `interval` seconds; `stop()` ends
+    every process and forwarder.
+    """
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        workdir: Path,
+        *,
+        max_server_processes: int = DEFAULT_MAX_SERVER_PROCESSES,
+        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+        prometheus: Any | None = None,
+        on_reachable: Callable[[str, str, str], None] | None = None,
+        interval: float = 0.5,
+    ) -> None:
+        self.cluster = cluster
+        self.workdir = workdir
+        self.max_server_processes = max_server_processes
+        self.kv_cache_memory = kv_cache_memory
+        self.prometheus = prometheus
+        self.on_reachable = on_reachable
+        self.interval = interval
+        self.conveyor = shutil.which("conveyor", path=str(Path(sys.executable).parent)) or "conveyor"
+        self.pods: dict[str, LocalPod] = {}
+        self.urls: dict[str, str] = {}
+        self.forwarders = Forwarders()
+        self._ips = (f"{POD_IP_PREFIX}.{n // 250}.{n % 250 + 2}" for n in itertools.count())
+        self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="readiness")
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="local-pods", daemon=True)
+        self._targets: list[tuple[str, dict[str, str]]] | None = None
+        self._endpoint_files: dict[str, str] = {}
+        self._lock = threading.Lock()
+        (workdir / "pods").mkdir(parents=True, exist_ok=True)
+        (workdir / "endpoints").mkdir(parents=True, exist_ok=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> LocalPods:
+        from kubernetes import client, config
+
+        self._core = client.CoreV1Api(config.new_client_from_config(config_file=str(self.cluster.kubeconfig)))
+        self._custom = client.CustomObjectsApi(self._core.api_client)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop, then every process (SIGTERM, SIGKILL after 10 s) and every forwarder."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        with self._lock:
+            for pod in self.pods.values():
+                _signal(pod, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for pod in self.pods.values():
+                if pod.process is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        pod.process.wait(max(0.1, deadline - time.monotonic()))
+                    _signal(pod, signal.SIGKILL)
+                    pod.process.wait()
+            self.pods.clear()
+        self.forwarders.stop()
+        self._probes.shutdown(wait=False, cancel_futures=True)
+        if self.prometheus is not None:
+            self.prometheus.set_targets([])
+
+    def pids(self) -> dict[str, int]:
+        """PID of each live process, by pod `namespace/name`."""
+        with self._lock:
+            return {p.key: p.process.pid for p in self.pods.values() if p.alive and p.process is not None}
+
+    def wait_url(self, namespace: str, name: str, timeout: float = 120.0) -> str:
+        """The InferenceService's loopback URL, once it has a ready backend."""
+        deadline = time.monotonic() + timeout
+        while (url := self.urls.get(f"{namespace}/{name}")) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no ready backend for {namespace}/{name} after {timeout:.0f}s")
+            time.sleep(0.2)
+        return url
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                with self._lock:
+                    self._reconcile()
+            except Exception:  # an API hiccup: logged, the next tick retries from what the API says
+                logger.exception("local pods: reconcile failed")
+            self._stopped.wait(self.interval)
+
+    def _reconcile(self) -> None:
+        listed = json.loads(self._core.list_pod_for_all_namespaces(_preload_content=False).data)["items"]
+        bound = {
+            p["metadata"]["uid"]: p
+            for p in listed
+            if p["spec"].get("nodeName")
+            and any(k in p["metadata"].get("labels", {}) for k in PROCESS_POD_LABELS)
+        }
+        for uid in [uid for uid in self.pods if uid not in bound]:
+            pod = self.pods.pop(uid)
+            logger.info("pod %s is gone: killing its process", pod.key)
+            _signal(pod, signal.SIGKILL)
+        for uid, manifest in bound.items():
+            if uid not in self.pods:
+                self.pods[uid] = self._adopt(manifest)
+            pod = self.pods[uid]
+            if manifest["metadata"].get("deletionTimestamp"):
+                self._terminate(pod)
+        self._supervise()
+        self._start_waiting()
+        for pod in list(self.pods.values()):
+            if pod.terminating_since is None:
+                self._report(pod)
+        self._publish()
+
+    def _adopt(self, manifest: dict[str, Any]) -> LocalPod:
+        meta, spec = manifest["metadata"], manifest["spec"]
+        labels = meta.get("labels", {})
+        pod = LocalPod(
+            namespace=meta["namespace"],
+            name=meta["name"],
+            uid=meta["uid"],
+            isvc=labels.get(LABEL_INFERENCE_SERVICE) or labels[LABEL_ROUTER],
+            container=spec["containers"][0],
+            ip=next(self._ips),
+            created=meta.get("creationTimestamp", ""),
+            grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)),
+        )
+        pod.port = _free_port()
+        try:
+            pod.command = local_command(
+                pod.container,
+                pod.port,
+                conveyor=self.conveyor,
+                kv_cache_memory=self.kv_cache_memory,
+                endpoint_file=self._endpoint_file(pod.namespace, pod.isvc),
+            )
+        except UnsupportedPodError as error:
+            pod.waiting = (UNSUPPORTED_REASON, str(error))
+            logger.warning("pod %s: %s", pod.key, error)
+            return pod
+        for note in pod.command.notes:
+            logger.info("pod %s: %s", pod.key, note)
+        return pod
+
+    def _endpoint_file(self, namespace: str, isvc: str) -> Path:
+        return self.workdir / "endpoints" / f"{namespace}_{isvc}.txt"
+
+    def _start_waiting(self) -> None:
+        servers = sum(1 for p in self.pods.values() if p.kind == "server" and p.process is not None)
+        for pod in sorted(self.pods.values(), key=lambda p: p.created):
+            if pod.command is None or pod.process is not None or pod.terminating_since is not None:
+                continue
+            if pod.kind == "server" and servers >= self.max_server_processes:
+                pod.waiting = (
+                    LIMIT_REASON,
+                    f"{servers} server processes already run on this machine (at most "
+                    f"{self.max_server_processes}); starts when one ends",
+                )
+                continue
+            servers += pod.kind == "server"
+            self._spawn(pod)
+
+    def _spawn(self, pod: LocalPod) -> None:
+        assert pod.command is not None
+        pod.log_path = self.workdir / "pods" / f"{pod.namespace}_{pod.name}.log"
+        with pod.log_path.open("ab") as log:
+            log.write(f"--- {_now()} {' '.join(pod.command.argv)}\n".encode())
+            log.flush()
+            pod.process = subprocess.Popen(
+                pod.command.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **pod.command.env, "PYTHONSAFEPATH": "1"},
+                cwd=self.workdir,
+                start_new_session=True,
+            )
+        pod.started_at, pod.waiting, pod.restart_at = _now(), None, None
+        pod.ready, pod.probe_failures, pod.next_probe_at = False, 0, time.monotonic() + FIRST_PROBE_PERIOD
+        logger.info("pod %s: started pid %d on 127.0.0.1:%d", pod.key, pod.process.pid, pod.port)
+
+    def _supervise(self) -> None:
+        now = time.monotonic()
+        for uid, pod in list(self.pods.items()):
+            if pod.process is None:
+                continue
+            code = pod.process.poll()
+            if pod.terminating_since is not None:
+                if code is None and now - pod.terminating_since > pod.grace_seconds:
+                    _signal(pod, signal.SIGKILL)
+                elif code is not None:
+                    logger.info("pod %s: process exited (%d) after deletion: removing the pod", pod.key, code)
+                    with contextlib.suppress(Exception):
+                        self._core.delete_namespaced_pod(pod.name, pod.namespace, grace_period_seconds=0)
+                    del self.pods[uid]
+                continue
+            if code is not None and pod.restart_at is None:
+                backoff = min(BACKOFF_MAX, BACKOFF_START * 2**pod.restart_count)
+                pod.last_terminated = {
+                    "exitCode": code if code >= 0 else 128 - code,
+                    "reason": "Completed" if code == 0 else "Error",
+                    "startedAt": pod.started_at,
+                    "finishedAt": _now(),
+                    "containerID": f"local://{pod.process.pid}",
+                }
+                pod.restart_count += 1
+                pod.ready, pod.restart_at = False, now + backoff
+                pod.waiting = ("CrashLoopBackOff", f"back-off {backoff:g}s restarting failed container")
+                logger.warning("pod %s: process exited with %d; restarting in %gs", pod.key, code, backoff)
+            elif code is not None and pod.restart_at is not None and now >= pod.restart_at:
+                self._spawn(pod)
+            elif code is None:
+                self._probe(pod, now)
+
+    def _probe(self, pod: LocalPod, now: float) -> None:
+        path, period, timeout, threshold = pod.readiness()
+        if pod.probe is not None and pod.probe.done():
+            ok = pod.probe.result()
+            pod.probe = None
+            if ok:
+                if not pod.ready:
+                    logger.info("pod %s: ready", pod.key)
+                pod.ready, pod.probe_failures = True, 0
+            elif pod.ready:
+                pod.probe_failures += 1
+                if pod.probe_failures >= threshold:
+                    logger.warning("pod %s: readiness probe failed %d times: not ready", pod.key, threshold)
+                    pod.ready = False
+            pod.next_probe_at = now + (period if pod.ready else FIRST_PROBE_PERIOD)
+        if pod.probe is None and now >= pod.next_probe_at:
+            pod.probe = self._probes.submit(_get_ok, f"http://127.0.0.1:{pod.port}{path}", timeout)
+
+    def _terminate(self, pod: LocalPod) -> None:
+        if pod.terminating_since is not None:
+            return
+        pod.terminating_since = time.monotonic()
+        pod.ready = False
+        if pod.alive:
+            logger.info("pod %s: deleted: SIGTERM to pid %d", pod.key, pod.process.pid)  # type: ignore[union-attr]
+            _signal(pod, signal.SIGTERM)
+        elif pod.process is None:
+            pod.process = subprocess.Popen(["true"])  # nothing ran: removed on the next tick
+
+    # -- what the API and the host see -----------------------------------------------------
+
+    def _status(self, pod: LocalPod) -> dict[str, Any]:
+        running = pod.alive
+        container: dict[str, Any] = {
+            "name": pod.container["name"],
+            "image": pod.container.get("image", ""),
+            "imageID": "",
+            "ready": pod.ready,
+            "started": running,
+            "restartCount": pod.restart_count,
+        }
+        if running and pod.process is not None:
+            container["containerID"] = f"local://{pod.process.pid}"
+            container["state"] = {"running": {"startedAt": pod.started_at}}
+        else:
+            reason, message = pod.waiting or ("ContainerCreating", "")
+            container["state"] = {"waiting": {"reason": reason, "message": message}}
+        if pod.last_terminated:
+            container["lastState"] = {"terminated": pod.last_terminated}
+        started = pod.process is not None
+        ready = "True" if pod.ready else "False"
+        conditions = [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "PodReadyToStartContainers", "status": "True" if started else "False"},
+            {"type": "Initialized", "status": "True"},
+            {"type": "ContainersReady", "status": ready},
+            {"type": "Ready", "status": ready},
+        ]
+        if not pod.ready:
+            reason = pod.waiting[0] if pod.waiting and not started else "ContainersNotReady"
+            for condition in conditions[3:]:
+                condition.update(
+                    reason=reason, message=f"containers with unready status: [{pod.container['name']}]"
+                )
+        status: dict[str, Any] = {
+            "phase": "Running" if started else "Pending",
+            "conditions": conditions,
+            "containerStatuses": [container],
+            "hostIP": "127.0.0.1",
+            "hostIPs": [{"ip": "127.0.0.1"}],
+        }
+        if started:
+            status.update(podIP=pod.ip, podIPs=[{"ip": pod.ip}], startTime=pod.started_at)
+        return status
+
+    def _report(self, pod: LocalPod) -> None:
+        """Patch the pod's status when anything but a timestamp changed since the last patch."""
+        status = self._status(pod)
+        if status == pod.reported:
+            return
+        now = _now()
+        body = json.loads(json.dumps(status))
+        for condition in body["conditions"]:
+            # A condition keeps its transition time while its status stays.
+            kept = pod.transitions.get(condition["type"])
+            if kept is None or kept[0] != condition["status"]:
+                kept = pod.transitions[condition["type"]] = (condition["status"], now)
+            condition["lastTransitionTime"] = kept[1]
+        self._core.patch_namespaced_pod_status(
+            pod.name, pod.namespace, {"status": body}, _content_type="application/merge-patch+json"
+        )
+        pod.reported = status
+
+    def _publish(self) -> None:
+        live = [p for p in self.pods.values() if p.alive and p.terminating_since is None]
+        if self.prometheus is not None:
+            targets = [
+                (
+                    f"127.0.0.1:{p.port}",
+                    {
+                        "namespace": p.namespace,
+                        "pod": p.name,
+                        "container": p.container["name"],
+                        "service": p.isvc if p.kind == "server" else f"{p.isvc}-router",
+                        "endpoint": "http",
+                        "job": p.isvc if p.kind == "server" else f"{p.isvc}-router",
+                        "instance": f"{p.ip}:{_container_port(p.container)}",
+                    },
+                )
+                for p in sorted(live, key=lambda p: p.key)
+            ]
+            if targets != self._targets:
+                self.prometheus.set_targets(targets)
+                self._targets = targets
+        ready: dict[tuple[str, str, str], list[LocalPod]] = {}
+        for pod in live:
+            if pod.ready:
+                ready.setdefault((pod.namespace, pod.isvc, pod.kind), []).append(pod)
+        isvcs = self._inference_services()
+        for namespace, name in isvcs:
+            servers = ready.get((namespace, name, "server"), [])
+            text = "".join(f"http://127.0.0.1:{p.port}\n" for p in sorted(servers, key=lambda p: p.name))
+            path = self._endpoint_file(namespace, name)
+            if self._endpoint_files.get(str(path)) != text:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(text)
+                tmp.replace(path)
+                self._endpoint_files[str(path)] = text
+            has_router = any(
+                p.isvc == name and p.namespace == namespace and p.kind == "router" for p in self.pods.values()
+            )
+            backends = ready.get((namespace, name, "router" if has_router else "server"), [])
+            key = f"{namespace}/{name}"
+            if backends or key in self.urls:
+                port = self.forwarders.expose(key, [("127.0.0.1", p.port) for p in backends])
+                if key not in self.urls:
+                    self.urls[key] = f"http://127.0.0.1:{port}"
+                    if self.on_reachable is not None:
+                        self.on_reachable(namespace, name, self.urls[key])
+        for key in [k for k in self.urls if tuple(k.split("/", 1)) not in isvcs]:
+            self.forwarders.close(key)
+            del self.urls[key]
+
+    def _inference_services(self) -> set[tuple[str, str]]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            listed = self._custom.list_cluster_custom_object(ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL)
+        except ApiException as error:
+            if error.status == 404:  # the CRD is not installed yet
+                return set()
+            raise
+        return {(i["metadata"]["namespace"], i["metadata"]["name"]) for i in listed["items"]}
+
+
+def _container_port(container: dict[str, Any]) -> int:
+    ports = container.get("ports") or [{}]
+    return int(ports[0].get("containerPort", 8000))
+
+
+def _get_ok(url: str, timeout: float) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _signal(pod: LocalPod, signum: int) -> None:
+    """Signal the pod's process group (the server's tensor-parallel ranks and compilers go too)."""
+    if pod.process is not None and pod.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pod.process.pid, signum)
