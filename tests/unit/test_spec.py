@@ -208,10 +208,11 @@ def test_examples_parse_and_plan(path: Path) -> None:
     assert plan.max_num_seqs >= 1
 
 
-def test_there_are_three_examples() -> None:
+def test_there_are_four_examples() -> None:
     assert [p.name for p in EXAMPLES] == [
         "llama-3-70b-4xa100.yaml",
         "llama-3-8b-a100.yaml",
+        "smollm2-135m-autoscaling.yaml",
         "smollm2-135m-l4.yaml",
     ]
 
