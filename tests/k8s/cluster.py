@@ -272,7 +272,7 @@ class LocalCluster:
         try:
             self._write_pki()
             self.ports = {
-                name: _free_port()
+                name: free_port()
                 for name in (
                     "etcd",
                     "etcd-peer",
@@ -684,7 +684,7 @@ def _openssl(*args: str | Path) -> None:
         raise ClusterStartError(f"openssl {args[0]} failed: {result.stderr.strip()}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

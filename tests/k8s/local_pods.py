@@ -43,7 +43,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -57,7 +56,7 @@ from typing import Any
 
 import httpx
 
-from tests.k8s.cluster import PROCESS_POD_LABELS, LocalCluster
+from tests.k8s.cluster import PROCESS_POD_LABELS, LocalCluster, free_port
 from tests.k8s.forwarder import Forwarders
 
 logger = logging.getLogger("conveyor.local_pods")
@@ -200,12 +199,6 @@ def _set_flag(args: list[str], name: str, value: str | None) -> None:
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -396,7 +389,7 @@ class LocalPods:
             created=meta.get("creationTimestamp", ""),
             grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)),
         )
-        pod.port = _free_port()
+        pod.port = free_port()
         try:
             pod.command = local_command(
                 pod.container,
@@ -509,8 +502,10 @@ class LocalPods:
         if pod.alive:
             logger.info("pod %s: deleted: SIGTERM to pid %d", pod.key, pod.process.pid)  # type: ignore[union-attr]
             _signal(pod, signal.SIGTERM)
-        elif pod.process is None:
-            pod.process = subprocess.Popen(["true"])  # nothing ran: removed on the next tick
+        elif pod.process is None:  # nothing ever ran (limit, unsupported): nothing to wait for
+            with contextlib.suppress(Exception):
+                self._core.delete_namespaced_pod(pod.name, pod.namespace, grace_period_seconds=0)
+            del self.pods[pod.uid]
 
     # -- what the API and the host see -----------------------------------------------------
 
