@@ -5,8 +5,8 @@ kwok's pods run no containers, so each Ready pod's `/metrics` is served by a pro
 in this process that carries the server's series (`conveyor:num_requests_waiting` ...) and is scraped
 by Debian's Prometheus with the pod's `namespace` and `pod` as target labels, as a ServiceMonitor
 would attach them. That exporter is the only stand-in: the operator (a real process), its queries,
-the scale subresource and status are all real. tests/e2e/test_autoscaling_e2e.py closes the loop
-with real `conveyor serve` processes instead.
+the scale subresource and status are all real. tests/e2e/test_local_cluster_e2e.py closes the loop
+with real `conveyor serve` and `conveyor router` processes as the pods.
 """
 
 from __future__ import annotations
