@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.integration.conftest import free_port
+from tests.k8s.cluster import free_port
 
 INSTALL_HINT = "prometheus is not installed: apt-get install -y --no-install-recommends prometheus"
 

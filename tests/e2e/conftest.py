@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import free_port
+from tests.k8s.cluster import free_port
 from tests.prometheus import PrometheusServer, stop_process, wait_http
 
 

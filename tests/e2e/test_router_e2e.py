@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import ServeProcess, spawn_serve, wait_ready
-from tests.integration.conftest import free_port
+from tests.k8s.cluster import free_port
 from tests.prometheus import stop_process, wait_http
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

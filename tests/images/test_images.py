@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.images.builder import Container, build
-from tests.integration.conftest import free_port
+from tests.k8s.cluster import free_port
 
 pytestmark = pytest.mark.images
 

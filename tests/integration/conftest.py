@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -10,13 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.k8s.cluster import free_port
+
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_config(**overrides):

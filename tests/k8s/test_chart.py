@@ -25,8 +25,7 @@ from prometheus_client.utils import floatToGoString
 from conveyor.operator.render import ROUTER_RULES
 from conveyor.operator.run import build_parser
 from conveyor.server.api.metrics import LATENCY_BUCKETS
-from tests.integration.conftest import free_port
-from tests.k8s.cluster import LocalCluster, ensure_binaries, go_module_file
+from tests.k8s.cluster import LocalCluster, ensure_binaries, free_port, go_module_file
 from tests.k8s.operator_env import (
     LLAMA_EXAMPLE,
     RESTRICTED,
