@@ -11,8 +11,11 @@ kwok simulates every pod on the local cluster's GPU nodes, but on a cluster star
   the CPU's own `auto` choice, and a model that is not on this machine to the embedded SmolLM2-135M.
   The pod gets an IP of its own (10.245.0.0/16, never routed: only the local forwarders and Prometheus
   know where the process listens), phase Running and a container status naming the PID.
-- **Readiness.** The pod turns Ready only when the container's readiness probe path answers 200: probed
-  every second until it first does, then with the probe's own period, timeout and failure threshold.
+- **Probes** (`ContainerProbes`, the kubelet's rules): the startup probe first (every second here, for
+  at most its period x failure threshold, then the process is killed), then readiness and liveness. The
+  pod turns Ready only when the readiness probe's path answers 200 (probed every second until it does,
+  then at its own period, not Ready after failure-threshold misses); failure-threshold liveness misses
+  in a row kill the process (a Warning Event `Unhealthy` says why), which then restarts as below.
 - **Restarts.** A process that exits makes the pod not Ready, its container status records the exit
   (`lastState.terminated`) and the restart count, and it is started again after a back-off (1 s, doubling
   to 30 s; the kubelet's starts at 10 s).
@@ -29,7 +32,7 @@ kwok simulates every pod on the local cluster's GPU nodes, but on a cluster star
   Router processes read their replicas from a file this runner rewrites (`--endpoint-file`) instead of
   EndpointSlices, whose addresses no process here listens on.
 
-Liveness probes are not run (a hung process stays until it exits); init containers, sidecars and
+Only httpGet probes are run (the operator renders no other kind); init containers, sidecars and
 volumes are not modelled: env values pointing into a volume mount are dropped, so caches go to the
 host's defaults, shared by every pod (the embedded model is converted once).
 """
@@ -201,6 +204,105 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclass(frozen=True)
+class ProbeSpec:
+    """One httpGet probe of a container spec; seconds, with the kubelet's defaults for absent fields."""
+
+    path: str
+    period: float = 10.0
+    timeout: float = 1.0
+    failure_threshold: int = 3
+
+    @classmethod
+    def of(cls, container: dict[str, Any], kind: str) -> ProbeSpec | None:
+        """The container's `startupProbe`, `readinessProbe` or `livenessProbe`; None when absent."""
+        probe = container.get(f"{kind}Probe")
+        if not probe:
+            return None
+        return cls(
+            path=(probe.get("httpGet") or {}).get("path", "/"),
+            period=float(probe.get("periodSeconds", 10)),
+            timeout=float(probe.get("timeoutSeconds", 1)),
+            failure_threshold=int(probe.get("failureThreshold", 3)),
+        )
+
+
+class ContainerProbes:
+    """The kubelet's probe rules for one run of a container, kept pure: results in, verdicts out.
+
+    Until the startup probe succeeds nothing else is probed, and the run is killed when it has not
+    succeeded within period x failure threshold seconds of `started_at` (probed every `fast_period`
+    here, not at its period, so that a pod is Ready as soon as its server is). Then the readiness probe
+    decides `ready` (every `fast_period` until it succeeds, then at its period; not ready after
+    failure-threshold misses in a row) and failure-threshold liveness misses in a row kill the run.
+    An absent probe passes: no startup probe means started, no readiness probe means ready once started.
+    """
+
+    KINDS = ("startup", "readiness", "liveness")
+
+    def __init__(self, container: dict[str, Any], started_at: float, fast_period: float = 1.0) -> None:
+        self.specs = {kind: ProbeSpec.of(container, kind) for kind in self.KINDS}
+        self.started_at, self.fast_period = started_at, fast_period
+        self.started = self.specs["startup"] is None
+        self.ready = self.started and self.specs["readiness"] is None
+        self.failures = dict.fromkeys(self.KINDS, 0)
+        self.next_at = dict.fromkeys(self.KINDS, started_at + fast_period)
+        self.killed: str | None = None
+
+    def due(
+        self, now: float, in_flight: set[str] | frozenset[str] = frozenset()
+    ) -> list[tuple[str, ProbeSpec]]:
+        """The probes to send at `now` (monotonic seconds), leaving out those already `in_flight`."""
+        if self.killed is not None:
+            return []
+        kinds = ["readiness", "liveness"] if self.started else ["startup"]
+        return [
+            (kind, spec)
+            for kind in kinds
+            if (spec := self.specs[kind]) is not None and kind not in in_flight and now >= self.next_at[kind]
+        ]
+
+    def record(self, kind: str, ok: bool, now: float) -> str | None:
+        """Take one probe's result; returns why the run must be killed, else None."""
+        spec = self.specs[kind]
+        assert spec is not None, kind
+        self.failures[kind] = 0 if ok else self.failures[kind] + 1
+        if kind == "startup":
+            if ok:
+                self.started, self.ready = True, self.specs["readiness"] is None
+                self.next_at.update(readiness=now, liveness=now + self._period("liveness"))
+            self.next_at[kind] = now + self.fast_period
+        elif kind == "readiness":
+            if ok:
+                self.ready = True
+            elif self.failures[kind] >= spec.failure_threshold:
+                self.ready = False
+            self.next_at[kind] = now + (spec.period if self.ready else self.fast_period)
+        else:
+            self.next_at[kind] = now + spec.period
+            if self.failures[kind] >= spec.failure_threshold:
+                return self._kill(f"Liveness probe failed {self.failures[kind]} times in a row")
+        return self.overdue(now)
+
+    def overdue(self, now: float) -> str | None:
+        """Why the run must be killed at `now` because its startup probe has not passed in time."""
+        spec = self.specs["startup"]
+        if self.started or spec is None or self.killed is not None:
+            return None
+        budget = spec.period * spec.failure_threshold
+        if now - self.started_at > budget:
+            return self._kill(f"Startup probe did not succeed within {budget:g}s")
+        return None
+
+    def _period(self, kind: str) -> float:
+        spec = self.specs[kind]
+        return spec.period if spec is not None else 0.0
+
+    def _kill(self, why: str) -> str:
+        self.killed, self.ready = why, False
+        return why
+
+
 @dataclass
 class LocalPod:
     """One process-backed pod: what runs for it and what its status says."""
@@ -221,9 +323,8 @@ class LocalPod:
     last_terminated: dict[str, Any] | None = None
     restart_at: float | None = None
     ready: bool = False
-    probe_failures: int = 0
-    next_probe_at: float = 0.0
-    probe: Future[bool] | None = None
+    probes: ContainerProbes | None = None
+    in_flight: dict[str, Future[bool]] = field(default_factory=dict, repr=False)
     terminating_since: float | None = None
     grace_seconds: float = 30.0
     waiting: tuple[str, str] | None = None
@@ -241,17 +342,6 @@ class LocalPod:
     @property
     def kind(self) -> str:
         return self.command.kind if self.command else "server"
-
-    def readiness(self) -> tuple[str, float, float, int]:
-        """(path, period, timeout, failure threshold) of the container's readiness probe."""
-        probe = self.container.get("readinessProbe") or {}
-        http = probe.get("httpGet") or {}
-        return (
-            http.get("path", "/health"),
-            float(probe.get("periodSeconds", 10)),
-            float(probe.get("timeoutSeconds", 1)),
-            int(probe.get("failureThreshold", 3)),
-        )
 
 
 class LocalPods:
@@ -286,7 +376,7 @@ class LocalPods:
         self.urls: dict[str, str] = {}
         self.forwarders = Forwarders()
         self._ips = (f"{POD_IP_PREFIX}.{n // 250}.{n % 250 + 2}" for n in itertools.count())
-        self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="readiness")
+        self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probes")
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="local-pods", daemon=True)
         self._targets: list[tuple[str, dict[str, str]]] | None = None
@@ -440,7 +530,8 @@ class LocalPods:
                 start_new_session=True,
             )
         pod.started_at, pod.waiting, pod.restart_at = _now(), None, None
-        pod.ready, pod.probe_failures, pod.next_probe_at = False, 0, time.monotonic() + FIRST_PROBE_PERIOD
+        pod.probes = ContainerProbes(pod.container, time.monotonic(), FIRST_PROBE_PERIOD)
+        pod.ready, pod.in_flight = pod.probes.ready, {}  # results for the previous run are dropped
         logger.info("pod %s: started pid %d on 127.0.0.1:%d", pod.key, pod.process.pid, pod.port)
 
     def _supervise(self) -> None:
@@ -477,22 +568,44 @@ class LocalPods:
                 self._probe(pod, now)
 
     def _probe(self, pod: LocalPod, now: float) -> None:
-        path, period, timeout, threshold = pod.readiness()
-        if pod.probe is not None and pod.probe.done():
-            ok = pod.probe.result()
-            pod.probe = None
-            if ok:
-                if not pod.ready:
-                    logger.info("pod %s: ready", pod.key)
-                pod.ready, pod.probe_failures = True, 0
-            elif pod.ready:
-                pod.probe_failures += 1
-                if pod.probe_failures >= threshold:
-                    logger.warning("pod %s: readiness probe failed %d times: not ready", pod.key, threshold)
-                    pod.ready = False
-            pod.next_probe_at = now + (period if pod.ready else FIRST_PROBE_PERIOD)
-        if pod.probe is None and now >= pod.next_probe_at:
-            pod.probe = self._probes.submit(_get_ok, f"http://127.0.0.1:{pod.port}{path}", timeout)
+        probes = pod.probes
+        assert probes is not None
+        was_ready, kill = pod.ready, None
+        for kind, future in list(pod.in_flight.items()):
+            if future.done():
+                del pod.in_flight[kind]
+                kill = probes.record(kind, future.result(), now) or kill
+        kill = kill or probes.overdue(now)
+        pod.ready = probes.ready
+        if pod.ready != was_ready:
+            logger.info("pod %s: %s", pod.key, "ready" if pod.ready else "readiness probe failed: not ready")
+        if kill is not None:
+            logger.warning("pod %s: %s: killing pid %d", pod.key, kill, pod.process.pid)  # type: ignore[union-attr]
+            self._event(pod, "Unhealthy", f"{kill}: container {pod.container['name']} will be restarted")
+            _signal(pod, signal.SIGKILL)
+            return
+        for kind, spec in probes.due(now, set(pod.in_flight)):
+            url = f"http://127.0.0.1:{pod.port}{spec.path}"
+            pod.in_flight[kind] = self._probes.submit(_get_ok, url, spec.timeout)
+
+    def _event(self, pod: LocalPod, reason: str, message: str) -> None:
+        """A Warning Event on the pod, from the kubelet as `kubectl describe pod` shows it."""
+        now = _now()
+        body = {
+            "metadata": {"generateName": f"{pod.name}.", "namespace": pod.namespace},
+            "involvedObject": {"kind": "Pod", "namespace": pod.namespace, "name": pod.name, "uid": pod.uid},
+            "reason": reason,
+            "message": message,
+            "type": "Warning",
+            "source": {"component": "kubelet", "host": "local"},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self._core.create_namespaced_event(pod.namespace, body)
+        except Exception:  # an Event is informative only: the kill goes ahead
+            logger.exception("pod %s: could not record Event %s", pod.key, reason)
 
     def _terminate(self, pod: LocalPod) -> None:
         if pod.terminating_since is not None:

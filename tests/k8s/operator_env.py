@@ -53,6 +53,18 @@ SERVICE_MONITOR_CRD = {
 }
 
 
+def eventually(probe: Callable[[], T | None], timeout: float = 60.0, what: str = "condition") -> T:
+    """Poll `probe` until it returns something truthy; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = probe()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.25)
+
+
 class Operator:
     """The operator subprocess; its log is read back into failure messages."""
 

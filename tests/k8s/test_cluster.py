@@ -3,35 +3,20 @@
 import json
 import os
 import socket
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tests.k8s.cluster import GPU_RESOURCE, LocalCluster, NodePool
+from tests.k8s.operator_env import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-T = TypeVar("T")
 
 COMPONENTS = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
-
-
-def eventually(probe: Callable[[], T | None], timeout: float = 60.0, what: str = "condition") -> T:
-    """Poll `probe` until it returns something truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = probe()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.25)
 
 
 def process_alive(pid: int) -> bool:

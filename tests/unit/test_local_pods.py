@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.k8s.local_pods import UnsupportedPodError, local_command
+from tests.k8s.local_pods import ContainerProbes, UnsupportedPodError, local_command
 
 
 def server_container(*args: str) -> dict:
@@ -75,3 +75,85 @@ def test_router_reads_the_runner_endpoint_file() -> None:
 def test_other_commands_are_refused() -> None:
     with pytest.raises(UnsupportedPodError, match="not a conveyor server or router"):
         local_command({"name": "x", "command": ["sleep"], "args": ["60"]}, 1, conveyor="conveyor")
+
+
+def probed(**probes: dict) -> dict:
+    """A container with httpGet probes on /health: `startup=`, `readiness=`, `liveness=` give the
+    periodSeconds and failureThreshold of each."""
+    return {
+        "name": "server",
+        **{
+            f"{kind}Probe": {"httpGet": {"path": "/health", "port": "http"}, **fields}
+            for kind, fields in probes.items()
+        },
+    }
+
+
+def test_nothing_but_the_startup_probe_runs_until_it_passes() -> None:
+    probes = ContainerProbes(
+        probed(
+            startup={"periodSeconds": 10, "failureThreshold": 3},
+            readiness={"periodSeconds": 5, "failureThreshold": 3},
+            liveness={"periodSeconds": 10, "failureThreshold": 2},
+        ),
+        started_at=100.0,
+    )
+    assert probes.due(100.5) == []
+    assert [kind for kind, _ in probes.due(101.0)] == ["startup"]
+    assert probes.due(101.0, {"startup"}) == []
+    assert probes.record("startup", False, 101.2) is None
+    assert not probes.started and not probes.ready
+    assert probes.record("startup", True, 102.2) is None
+    assert probes.started and not probes.ready
+    # Readiness at once, then every second until it passes; liveness after its own period.
+    assert [kind for kind, _ in probes.due(102.2)] == ["readiness"]
+    probes.record("readiness", False, 102.3)
+    assert [kind for kind, _ in probes.due(103.3)] == ["readiness"]
+    probes.record("readiness", True, 103.4)
+    assert probes.ready
+    assert probes.due(104.5) == []  # the readiness period (5 s) once ready
+    assert [kind for kind, _ in probes.due(108.4)] == ["readiness"]
+    assert sorted(kind for kind, _ in probes.due(112.2)) == ["liveness", "readiness"]
+
+
+def test_a_startup_probe_that_never_passes_kills_after_its_budget() -> None:
+    probes = ContainerProbes(probed(startup={"periodSeconds": 5, "failureThreshold": 4}), started_at=0.0)
+    assert probes.record("startup", False, 19.0) is None
+    assert probes.overdue(20.0) is None
+    why = probes.overdue(20.5)
+    assert why == "Startup probe did not succeed within 20s"
+    assert probes.due(30.0) == [] and probes.overdue(31.0) is None  # one verdict per run
+
+
+def test_readiness_drops_after_the_threshold_and_returns_on_one_success() -> None:
+    probes = ContainerProbes(probed(readiness={"periodSeconds": 5, "failureThreshold": 3}), started_at=0.0)
+    assert probes.started and not probes.ready
+    probes.record("readiness", True, 1.0)
+    for t in (6.0, 11.0):
+        probes.record("readiness", False, t)
+        assert probes.ready
+    probes.record("readiness", False, 16.0)
+    assert not probes.ready
+    assert probes.next_at["readiness"] == 17.0  # probed every second again while not ready
+    probes.record("readiness", True, 17.0)
+    assert probes.ready
+
+
+def test_liveness_misses_in_a_row_kill_and_a_success_resets_the_count() -> None:
+    probes = ContainerProbes(
+        probed(readiness={"periodSeconds": 5}, liveness={"periodSeconds": 10, "failureThreshold": 3}),
+        started_at=0.0,
+    )
+    probes.record("readiness", True, 1.0)
+    assert probes.record("liveness", False, 10.0) is None
+    assert probes.record("liveness", False, 20.0) is None
+    assert probes.record("liveness", True, 30.0) is None
+    assert probes.record("liveness", False, 40.0) is None
+    assert probes.record("liveness", False, 50.0) is None
+    assert probes.record("liveness", False, 60.0) == "Liveness probe failed 3 times in a row"
+    assert not probes.ready and probes.due(100.0) == []
+
+
+def test_a_container_without_probes_is_ready_once_running() -> None:
+    probes = ContainerProbes({"name": "server"}, started_at=0.0)
+    assert probes.started and probes.ready and probes.due(5.0) == []
