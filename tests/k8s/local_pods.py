@@ -19,6 +19,11 @@ kwok simulates every pod on the local cluster's GPU nodes, but on a cluster star
 - **Restarts.** A process that exits makes the pod not Ready, its container status records the exit
   (`lastState.terminated`) and the restart count, and it is started again after a back-off (1 s, doubling
   to 30 s; the kubelet's starts at 10 s).
+- **Environment.** Each start resolves the container's env as the kubelet does (`container_env`):
+  `envFrom` (with its prefix; keys that are not valid names skipped), then `env` values and
+  `valueFrom` (`secretKeyRef`, `configMapKeyRef`, `fieldRef`), later names winning. A missing Secret,
+  ConfigMap or key that is not `optional` leaves the container waiting with reason
+  `CreateContainerConfigError` (the pod stays Pending) and is retried until it appears.
 - **Limits.** At most `max_server_processes` server processes live at once (2 cores hold about 3); the
   pods beyond stay Pending with container reason `LocalProcessLimit` and start, oldest first, when a
   slot frees. Router processes (a tokenizer and a proxy) do not count.
@@ -34,16 +39,19 @@ kwok simulates every pod on the local cluster's GPU nodes, but on a cluster star
 
 Only httpGet probes are run (the operator renders no other kind); init containers, sidecars and
 volumes are not modelled: env values pointing into a volume mount are dropped, so caches go to the
-host's defaults, shared by every pod (the embedded model is converted once).
+host's defaults, shared by every pod (the embedded model is converted once); `resourceFieldRef` and
+`$(VAR)` expansion are not resolved.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -74,6 +82,8 @@ UNSUPPORTED_REASON = "UnsupportedCommand"
 FIRST_PROBE_PERIOD = 1.0
 BACKOFF_START, BACKOFF_MAX = 1.0, 30.0
 HALF_DTYPES = ("float16", "bfloat16", "half")
+ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+CONFIG_ERROR_REASON = "CreateContainerConfigError"
 
 
 class UnsupportedPodError(ValueError):
@@ -82,11 +92,10 @@ class UnsupportedPodError(ValueError):
 
 @dataclass(frozen=True)
 class LocalCommand:
-    """How one container runs here: `argv`, the environment it adds, and what was mapped (logged)."""
+    """How one container runs here: `argv` and what was mapped (logged)."""
 
     kind: str  # "server" or "router"
     argv: list[str]
-    env: dict[str, str]
     notes: list[str]
 
 
@@ -162,16 +171,110 @@ def local_command(
             notes.append(
                 f"tokenizer {tokenizer} is not on this machine: the embedded SmolLM2-135M-Instruct's"
             )
-    env, mounts = {}, [m["mountPath"] for m in container.get("volumeMounts") or []]
+    return LocalCommand(kind, [conveyor, command[1], *args], notes)
+
+
+class ContainerConfigError(ValueError):
+    """An env source the container needs is missing (the kubelet's CreateContainerConfigError)."""
+
+
+def container_env(
+    container: dict[str, Any],
+    pod: dict[str, Any],
+    read: Callable[[str, str, str], dict[str, Any] | None],
+) -> tuple[dict[str, str], list[str]]:
+    """The environment the kubelet gives `container` (API JSON) of `pod`, and what was left out.
+
+    `read(kind, namespace, name)` returns a "ConfigMap" or "Secret" (API JSON) or None when it does
+    not exist. As the kubelet does: `envFrom` sources first (with their `prefix`; keys that are not
+    valid variable names skipped), then `env` in order, later names overriding earlier ones; `value`,
+    `valueFrom` `secretKeyRef`, `configMapKeyRef` and `fieldRef` (metadata name, namespace, uid,
+    labels['k'], annotations['k'], spec nodeName and serviceAccountName, status podIP and hostIP)
+    are resolved, Secret data base64-decoded. Here only: a value that points into one of the
+    container's volume mounts is left out (the volume is not modelled, so the host's default
+    applies), and so are `resourceFieldRef` and `$(VAR)` references (noted).
+    Raises ContainerConfigError for a missing, non-optional ConfigMap, Secret or key.
+    """
+    namespace = pod["metadata"]["namespace"]
+    env: dict[str, str] = {}
+    notes: list[str] = []
+
+    def data(kind: str, name: str, optional: bool) -> dict[str, str] | None:
+        found = read(kind, namespace, name)
+        if found is None:
+            if optional:
+                return None
+            raise ContainerConfigError(f'{kind.lower()} "{name}" not found')
+        if kind == "Secret":
+            return {k: base64.b64decode(v).decode() for k, v in (found.get("data") or {}).items()}
+        return dict(found.get("data") or {})
+
+    for source in container.get("envFrom") or []:
+        kind, ref = (
+            ("Secret", source["secretRef"])
+            if "secretRef" in source
+            else ("ConfigMap", source["configMapRef"])
+        )
+        for key, value in (data(kind, ref["name"], ref.get("optional", False)) or {}).items():
+            name = source.get("prefix", "") + key
+            if ENV_NAME.fullmatch(name):
+                env[name] = value
+            else:
+                notes.append(
+                    f"envFrom {kind.lower()} {ref['name']}: {name!r} is not a variable name: skipped"
+                )
+    mounts = [m["mountPath"].rstrip("/") for m in container.get("volumeMounts") or []]
     for variable in container.get("env") or []:
-        value = variable.get("value")
-        if value is None:
-            notes.append(f"env {variable['name']}: only literal values are set here")
-        elif any(value == m or value.startswith(m.rstrip("/") + "/") for m in mounts):
-            notes.append(f"env {variable['name']}={value} is in a volume: left to this machine's default")
+        name, source = variable["name"], variable.get("valueFrom")
+        if source is None:
+            value = variable.get("value", "")
+        elif "fieldRef" in source:
+            value = _field(pod, source["fieldRef"]["fieldPath"])
+        elif "secretKeyRef" in source or "configMapKeyRef" in source:
+            kind, ref = (
+                ("Secret", source["secretKeyRef"])
+                if "secretKeyRef" in source
+                else ("ConfigMap", source["configMapKeyRef"])
+            )
+            values = data(kind, ref["name"], ref.get("optional", False))
+            if values is None:
+                continue
+            if ref["key"] not in values:
+                if ref.get("optional", False):
+                    continue
+                raise ContainerConfigError(
+                    f"couldn't find key {ref['key']} in {kind} {namespace}/{ref['name']}"
+                )
+            value = values[ref["key"]]
         else:
-            env[variable["name"]] = value
-    return LocalCommand(kind, [conveyor, command[1], *args], env, notes)
+            notes.append(f"env {name}: {', '.join(source)} is not resolved here")
+            continue
+        if any(value == m or value.startswith(m + "/") for m in mounts):
+            notes.append(f"env {name}={value} is in a volume: left to this machine's default")
+            continue
+        if "$(" in value:
+            notes.append(f"env {name}: $(VAR) references are not expanded here")
+        env[name] = value
+    return env, notes
+
+
+def _field(pod: dict[str, Any], path: str) -> str:
+    """A pod field for `fieldRef` (the paths the downward API allows for env)."""
+    meta, spec, status = pod["metadata"], pod.get("spec", {}), pod.get("status", {})
+    if match := re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path):
+        return (meta.get(match[1]) or {}).get(match[2], "")
+    fields = {
+        "metadata.name": meta.get("name", ""),
+        "metadata.namespace": meta.get("namespace", ""),
+        "metadata.uid": meta.get("uid", ""),
+        "spec.nodeName": spec.get("nodeName", ""),
+        "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+        "status.podIP": status.get("podIP", ""),
+        "status.hostIP": status.get("hostIP", ""),
+    }
+    if path not in fields:
+        raise ContainerConfigError(f"unsupported fieldRef fieldPath {path!r}")
+    return fields[path]
 
 
 def _get_flag(args: list[str], name: str) -> str | None:
@@ -314,6 +417,7 @@ class LocalPod:
     container: dict[str, Any]
     ip: str
     created: str
+    manifest: dict[str, Any] = field(repr=False)
     command: LocalCommand | None = None
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
@@ -477,6 +581,7 @@ class LocalPods:
             container=spec["containers"][0],
             ip=next(self._ips),
             created=meta.get("creationTimestamp", ""),
+            manifest=manifest,
             grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)),
         )
         pod.port = free_port()
@@ -514,8 +619,32 @@ class LocalPods:
             servers += pod.kind == "server"
             self._spawn(pod)
 
+    def _read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        read = (
+            self._core.read_namespaced_secret if kind == "Secret" else self._core.read_namespaced_config_map
+        )
+        try:
+            return json.loads(read(name, namespace, _preload_content=False).data)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     def _spawn(self, pod: LocalPod) -> None:
+        """Start the pod's process, with the environment as the kubelet resolves it at each start."""
         assert pod.command is not None
+        fields = {**pod.manifest, "status": {"podIP": pod.ip, "hostIP": "127.0.0.1"}}
+        try:
+            env, notes = container_env(pod.container, fields, self._read)
+        except ContainerConfigError as error:
+            if pod.waiting != (CONFIG_ERROR_REASON, str(error)):
+                logger.warning("pod %s: %s: %s", pod.key, CONFIG_ERROR_REASON, error)
+                pod.waiting = (CONFIG_ERROR_REASON, str(error))
+            return
+        for note in notes:
+            logger.info("pod %s: %s", pod.key, note)
         pod.log_path = self.workdir / "pods" / f"{pod.namespace}_{pod.name}.log"
         with pod.log_path.open("ab") as log:
             log.write(f"--- {_now()} {' '.join(pod.command.argv)}\n".encode())
@@ -525,7 +654,7 @@ class LocalPods:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **pod.command.env, "PYTHONSAFEPATH": "1"},
+                env={**os.environ, **env, "PYTHONSAFEPATH": "1"},
                 cwd=self.workdir,
                 start_new_session=True,
             )

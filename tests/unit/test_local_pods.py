@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import pytest
 
-from tests.k8s.local_pods import ContainerProbes, UnsupportedPodError, local_command
+from tests.k8s.local_pods import (
+    ContainerConfigError,
+    ContainerProbes,
+    UnsupportedPodError,
+    container_env,
+    local_command,
+)
 
 
 def server_container(*args: str) -> dict:
@@ -39,8 +46,6 @@ def test_server_flags_map_to_cpu_equivalents() -> None:
         "/venv/bin/conveyor", "serve", "--dtype", "auto", "--tensor-parallel-size", "1",
         "--max-num-seqs", "122", "--host", "127.0.0.1", "--port", "4321", "--kv-cache-memory", str(1 << 29),
     ]  # fmt: skip
-    # Only literal values outside volume mounts reach the process.
-    assert command.env == {"LOG_LEVEL": "debug"}
     assert any("embedded" in note for note in command.notes)
 
 
@@ -157,3 +162,73 @@ def test_liveness_misses_in_a_row_kill_and_a_success_resets_the_count() -> None:
 def test_a_container_without_probes_is_ready_once_running() -> None:
     probes = ContainerProbes({"name": "server"}, started_at=0.0)
     assert probes.started and probes.ready and probes.due(5.0) == []
+
+
+POD = {
+    "metadata": {"name": "chat-0", "namespace": "ns", "uid": "u-1", "labels": {"app": "chat"}},
+    "spec": {"nodeName": "l4-0", "serviceAccountName": "chat"},
+    "status": {"podIP": "10.245.0.2", "hostIP": "127.0.0.1"},
+}
+OBJECTS = {
+    ("ConfigMap", "settings"): {"data": {"LOG_LEVEL": "info", "MODE": "fast", "not a name": "x"}},
+    ("Secret", "hf"): {"data": {"token": base64.b64encode(b"hf_secret").decode()}},
+}
+
+
+def read(kind: str, namespace: str, name: str) -> dict | None:
+    assert namespace == "ns"
+    return OBJECTS.get((kind, name))
+
+
+def test_env_is_resolved_as_the_kubelet_does() -> None:
+    container = {
+        **server_container(),
+        "envFrom": [
+            {"configMapRef": {"name": "settings"}},
+            {"prefix": "CFG_", "configMapRef": {"name": "settings"}},
+            {"secretRef": {"name": "absent", "optional": True}},
+        ],
+    }
+    container["env"] += [
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "MODE"}}},
+        {"name": "GONE", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "other", "optional": True}}},
+        {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
+    ]
+    env, notes = container_env(container, POD, read)
+    assert env == {
+        # envFrom first, then env in order: the literal LOG_LEVEL overrides the ConfigMap's.
+        "LOG_LEVEL": "debug",
+        "MODE": "fast",
+        "CFG_LOG_LEVEL": "info",
+        "CFG_MODE": "fast",
+        "HF_TOKEN": "hf_secret",
+        "POD": "chat-0",
+        "IP": "10.245.0.2",
+        "APP": "chat",
+    }
+    # HF_HOME points into the container's volume: the host's default applies.
+    assert any("HF_HOME" in n and "volume" in n for n in notes)
+    assert any("not a name" in n for n in notes)
+    assert any("CPUS" in n and "resourceFieldRef" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"envFrom": [{"secretRef": {"name": "absent"}}]}, 'secret "absent" not found'),
+        (
+            {"env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "absent", "key": "k"}}}]},
+            'configmap "absent" not found',
+        ),
+        (
+            {"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "nope"}}}]},
+            "couldn't find key nope in Secret ns/hf",
+        ),
+    ],
+)
+def test_a_missing_required_source_is_a_config_error(entry: dict, message: str) -> None:
+    with pytest.raises(ContainerConfigError, match=message):
+        container_env({"name": "server", **entry}, POD, read)
