@@ -116,7 +116,8 @@ def workload_conditions(
         ready_cond = (False, "ScaledToZero", "replicas is 0")
     elif not observed:
         ready_cond = (False, "RolloutPending", "the Deployment controller has not seen the new spec yet")
-    elif ready >= desired and updated >= desired and current == desired:
+    elif ready >= desired and updated >= desired and (current == desired or updated == current):
+        # updated == current > desired: a scale-down whose extra pods are still counted, no old pods
         ready_cond = (True, "ReplicasReady", f"{ready}/{desired} replicas ready")
     elif unschedulable is not None:
         count, why = unschedulable

@@ -295,6 +295,29 @@ def test_status_while_pods_start_and_when_ready() -> None:
     assert ready["url"] == "http://llama.serving.svc.cluster.local"
 
 
+@pytest.mark.parametrize(
+    ("replicas", "updated", "ready", "expected"),
+    [
+        (2, 2, 2, ("True", "ReplicasReady")),  # scaling 2 -> 1: the extra pod is still counted
+        (2, 1, 2, ("False", "ReplicasNotReady")),  # a rollout: one pod of the old template left
+        (1, 1, 0, ("False", "ReplicasNotReady")),
+    ],
+)
+def test_ready_through_a_scale_down_but_not_an_unfinished_rollout(
+    replicas: int, updated: int, ready: int, expected: tuple[str, str]
+) -> None:
+    dep = _deployment(replicas=1)
+    dep["metadata"]["generation"] = 1
+    dep["status"] = {
+        "observedGeneration": 1,
+        "replicas": replicas,
+        "updatedReplicas": updated,
+        "readyReplicas": ready,
+    }
+    condition = _conditions(_status(dep))["Ready"]
+    assert (condition["status"], condition["reason"]) == expected
+
+
 def test_unschedulable_pods_are_named_in_ready() -> None:
     dep = _deployment(replicas=2)
     dep["metadata"]["generation"] = 1
