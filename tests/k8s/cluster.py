@@ -760,6 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # every probe would log a line
     if args.max_server_processes < 0:
         parser.error("--max-server-processes must be >= 0")
 
