@@ -1,4 +1,4 @@
-"""The local cluster's whole loop (README, "The whole loop on the local cluster") as a test.
+"""The local cluster's whole loop (README, "Local Kubernetes cluster (no GPU needed)") as a test.
 
 Everything is real and runs as on a user's machine after `make cluster`: the control plane with a
 simulated L4 node, process-backed pods (`tests/k8s/local_pods.py`) running the `conveyor serve` and
