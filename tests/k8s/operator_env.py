@@ -169,7 +169,19 @@ class Env:
                 return isvc
             return None
 
-        return self.eventually(probe, f"{name} Ready with {replicas} replicas", timeout)
+        try:
+            return self.eventually(probe, f"{name} Ready with {replicas} replicas", timeout)
+        except pytest.fail.Exception as failed:  # say what it was instead, and where its pods are
+            isvc = self.get("inferenceservice", name) or {}
+            conditions = [
+                f"{c['type']}={c['status']} {c.get('reason')}: {c.get('message')}"
+                for c in isvc.get("status", {}).get("conditions", [])
+            ]
+            pods = [
+                f"{p['metadata']['name']} {p['status'].get('phase')} on {p['spec'].get('nodeName')}"
+                for p in self.pods(name)
+            ]
+            pytest.fail(f"{failed}\nconditions: {conditions}\npods: {pods}")
 
     def pods(self, name: str) -> list[dict[str, Any]]:
         return self.items("pods", f"{ISVC_LABEL}={name}")
