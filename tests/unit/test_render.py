@@ -257,6 +257,19 @@ def _status(deployment: dict[str, Any] | None, previous: dict[str, Any] | None =
     )
 
 
+def _observed_deployment(desired: int, replicas: int, updated: int, ready: int) -> dict[str, Any]:
+    """A Deployment of `desired` replicas whose controller has seen its spec and counts the pods so."""
+    dep = _deployment(replicas=desired)
+    dep["metadata"]["generation"] = 1
+    dep["status"] = {
+        "observedGeneration": 1,
+        "replicas": replicas,
+        "updatedReplicas": updated,
+        "readyReplicas": ready,
+    }
+    return dep
+
+
 def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in status["conditions"]}
 
@@ -306,14 +319,7 @@ def test_status_while_pods_start_and_when_ready() -> None:
 def test_ready_through_a_scale_down_but_not_an_unfinished_rollout(
     replicas: int, updated: int, ready: int, expected: tuple[str, str]
 ) -> None:
-    dep = _deployment(replicas=1)
-    dep["metadata"]["generation"] = 1
-    dep["status"] = {
-        "observedGeneration": 1,
-        "replicas": replicas,
-        "updatedReplicas": updated,
-        "readyReplicas": ready,
-    }
+    dep = _observed_deployment(1, replicas, updated, ready)
     condition = _conditions(_status(dep))["Ready"]
     assert (condition["status"], condition["reason"]) == expected
 
@@ -344,14 +350,7 @@ def test_unschedulable_pods_are_named_in_ready() -> None:
     ("current", "desired", "reason"), [(1, 3, "ScalingUp"), (3, 1, "ScalingDown"), (2, 2, "Stable")]
 )
 def test_scaling_condition(current: int, desired: int, reason: str) -> None:
-    dep = _deployment(replicas=desired)
-    dep["metadata"]["generation"] = 2
-    dep["status"] = {
-        "observedGeneration": 2,
-        "replicas": current,
-        "updatedReplicas": current,
-        "readyReplicas": current,
-    }
+    dep = _observed_deployment(desired, current, current, current)
     scaling = _conditions(_status(dep))["Scaling"]
     assert scaling["reason"] == reason
     assert scaling["status"] == ("False" if reason == "Stable" else "True")
