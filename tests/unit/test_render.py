@@ -257,9 +257,11 @@ def _status(deployment: dict[str, Any] | None, previous: dict[str, Any] | None =
     )
 
 
-def _observed_deployment(desired: int, replicas: int, updated: int, ready: int) -> dict[str, Any]:
+def _observed_deployment(
+    desired: int, replicas: int, updated: int, ready: int, spec: InferenceServiceSpec | None = None
+) -> dict[str, Any]:
     """A Deployment of `desired` replicas whose controller has seen its spec and counts the pods so."""
-    dep = _deployment(replicas=desired)
+    dep = _deployment(spec, replicas=desired)
     dep["metadata"]["generation"] = 1
     dep["status"] = {
         "observedGeneration": 1,
@@ -854,14 +856,7 @@ def test_inference_pool_selects_server_pods_and_names_an_endpoint_picker_not_the
 def _router_status(
     spec: InferenceServiceSpec, server_ready: int, router_ready: int | None, replicas: int = 1
 ) -> dict[str, Any]:
-    dep = _deployment(spec, replicas=replicas)
-    dep["metadata"]["generation"] = 1
-    dep["status"] = {
-        "observedGeneration": 1,
-        "replicas": replicas,
-        "updatedReplicas": replicas,
-        "readyReplicas": server_ready,
-    }
+    dep = _observed_deployment(replicas, replicas, replicas, server_ready, spec)
     router = None
     if router_ready is not None:
         router = render_router_deployment(OWNER, spec)
