@@ -12,7 +12,7 @@ split two ways:
   runner's batch building), forward (the model), sample, update + output processing (the scheduler's
   update, detokenizing, stop checks);
 - the forward stage by operator, from `torch.profiler`'s self CPU time of every aten/custom op over the
-  same steps: matmuls (`aten::mm/addmm/linear`, oneDNN's packed linear), attention (the paged-attention
+  same steps: matmuls (`aten::mm/addmm/linear`, oneDNN's packed linear, the C++ backend's linear), attention (the paged-attention
   kernels and SDPA), other kernels (RMSNorm, rotary, SiLU-and-mul, embedding, KV writes),
   collectives (tensor parallelism), and the rest of the op time; what the profiler does not see inside
   `forward` (Python between ops) is "Python in forward". Profiled steps are slower than unprofiled
@@ -40,7 +40,12 @@ import torch
 # Self CPU time of these ops is the forward's "matmul", "attention", ... share (first match wins).
 OP_CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("collectives", re.compile(r"^(c10d::|gloo|nccl|record_param_comms)")),
-    ("matmul", re.compile(r"^(aten::(mm|addmm|bmm|linear|matmul)|mkldnn::_linear_pointwise)$")),
+    (
+        "matmul",
+        re.compile(
+            r"^(aten::(mm|addmm|bmm|linear|matmul)|mkldnn::_linear_pointwise|conveyor_linear::linear)$"
+        ),
+    ),
     (
         "attention",
         re.compile(r"(paged_decode_attention|scaled_dot_product|_flash_attention|attention)", re.IGNORECASE),

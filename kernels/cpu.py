@@ -29,12 +29,15 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from conveyor.kernels.onednn import replace_linear_layers
 from conveyor.kernels.reference import prefill_attention
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp")
 EXTENSION_NAME = "conveyor_cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
@@ -101,7 +104,7 @@ def load_library() -> None:
         try:
             cpp_extension.load(
                 name=_build_name(),
-                sources=[str(SOURCE)],
+                sources=[str(source) for source in SOURCES],
                 extra_cflags=list(COMPILE_FLAGS),
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
@@ -109,7 +112,7 @@ def load_library() -> None:
             )
         except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
             _error = CPUKernelBuildError(
-                f"building the C++ CPU kernels ({SOURCE.name}) failed: {_build_failure(exc)}"
+                f"building the C++ CPU kernels ({', '.join(s.name for s in SOURCES)}) failed: {_build_failure(exc)}"
             )
             raise _error from exc
         logger.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
@@ -205,3 +208,52 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """See `conveyor.kernels.reference.silu_and_mul`."""
     return torch.ops.conveyor_cpu.silu_and_mul(x)
+
+
+class CPULinear(nn.Module):
+    """`y = x @ weight.T + bias` in float32 through the C++ backend's panel kernel (`csrc/linear.cpp`).
+
+    The weight is laid out once in panels of 32 columns (16 without AVX-512), in float32, or in
+    bfloat16 when bfloat16 holds every value exactly (`bf16_exact`; a checkpoint saved in bfloat16):
+    the same values at half the bytes a decode step reads. Products and sums are float32; only their
+    order differs from a BLAS. x: `[num_tokens, in_features]` float32 -> `[num_tokens, out_features]`
+    float32. The packed weight has no `state_dict` entry; build the module after the weights are final
+    (see `pack_linear_layers`).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight_dtype = torch.bfloat16 if bf16_exact(weight) else torch.float32
+        self.packed_weight = torch.ops.conveyor_linear.pack_weight(
+            weight, self.weight_dtype == torch.bfloat16
+        )
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.conveyor_linear.linear(x, self.packed_weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        weight = str(self.weight_dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={weight}"
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """True when every value of a float32 `weight` is a bfloat16 value (a round trip changes nothing)."""
+    return weight.dtype == torch.float32 and torch.equal(weight, weight.to(torch.bfloat16).float())
+
+
+def pack_linear_layers(model: nn.Module) -> dict[str, int]:
+    """Replace every float32 `nn.Linear` of `model` by a `CPULinear`, in place (a tied LM head gets its
+    own copy). Returns how many hold each weight dtype, e.g. `{"bfloat16": 121}`. Raises
+    CPUKernelBuildError when the library cannot be built."""
+    load_library()
+    replace_linear_layers(model, CPULinear, lambda linear: linear.weight.dtype == torch.float32)
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, CPULinear):
+            name = str(module.weight_dtype).removeprefix("torch.")
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -16,6 +16,8 @@ this path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -63,14 +65,26 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` by a `PackedLinear`, in place. Returns how many were packed.
-
-    A tied LM head gets its own packed copy (the embedding keeps the plain weight for its lookups).
-    """
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+def replace_linear_layers(
+    model: nn.Module,
+    make: Callable[[nn.Linear], nn.Module],
+    when: Callable[[nn.Linear], bool] = lambda linear: True,
+) -> int:
+    """Replace each `nn.Linear` of `model` for which `when` holds by `make(linear)`, in place. Returns
+    how many were replaced. A tied LM head gets its own copy (the embedding keeps the plain weight for
+    its lookups)."""
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and when(module)
+    ]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(linear))
+        setattr(parent, attr, make(linear))
     return len(targets)
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` by a `PackedLinear`, in place. Returns how many were packed."""
+    return replace_linear_layers(model, PackedLinear)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from conveyor.kernels import cpu as cpu_kernels
 from conveyor.kernels import onednn
 from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
 from conveyor.server.model.parallel import TensorParallel
@@ -232,14 +233,24 @@ def load_model(
         # Parameters only: the rotary table stays float32 (as transformers keeps it).
         for param in model.parameters():
             param.data = param.data.to(dtype)
-    if onednn.packing_supported(dtype, device):
-        count = onednn.pack_linear_layers(model)
-        logger.info(
-            "CPU matmuls: %d linear layers pre-packed for oneDNN (%s)",
-            count,
-            str(dtype).removeprefix("torch."),
-        )
+    _pack_cpu_matmuls(model, dtype, device, ops)
     return model.eval()
+
+
+def _pack_cpu_matmuls(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, ops) -> None:
+    """On a CPU, lay out the linear weights once for the matmuls: in float32 with the C++ backend, its
+    panel kernel (`kernels.cpu.CPULinear`, bfloat16 weights where that is exact); otherwise oneDNN's
+    packed layout where it can (`kernels.onednn`)."""
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cpu" and dtype == torch.float32 and ops is cpu_kernels:
+        counts = cpu_kernels.pack_linear_layers(model)
+        held = ", ".join(f"{count} with {weight} weights" for weight, count in sorted(counts.items()))
+        logger.info(
+            "CPU matmuls: %s linear layers in the C++ float32 kernel (%s)", sum(counts.values()), held
+        )
+    elif onednn.packing_supported(dtype, device):
+        count = onednn.pack_linear_layers(model)
+        logger.info("CPU matmuls: %d linear layers pre-packed for oneDNN (%s)", count, name)
 
 
 @torch.no_grad()

@@ -1,0 +1,269 @@
+// Linear layers for CPUs, y = x @ W^T + b in float32, with the weight laid out once in panels
+// (conveyor.kernels.cpu.CPULinear): the CPU path's matmuls, with oneDNN's packed layers as the fallback.
+//
+// Why: a decode step multiplies a few rows by every weight, where BLAS libraries tuned for large matrices
+// reach a fraction of the machine (oneDNN's packed float32 ran the embedded model's layers at 99 GFLOP/s
+// with 16 rows on a 2-core AVX-512 Xeon whose matmul peak is about 290). Here every row of the step goes
+// through register tiles against a panel of columns streamed once from memory.
+//
+// Weights are float32, or bfloat16 when bfloat16 holds every value exactly (a checkpoint saved in
+// bfloat16, loaded as float32): then the same values cost half the bytes, and widening bfloat16 to
+// float32 is a 16-bit shift. Products and sums are float32 either way; only the order of the sums
+// differs from a BLAS, as between any two BLAS libraries.
+//
+// Packed layout, made once by pack_weight: `[num_panels, K, BN]`, one panel per BN output columns (the
+// last one padded with zeros), so a panel streams from memory in one pass. float32 panels hold row k as
+// BN columns in order. bfloat16 panels interleave: 32-bit word j of row k holds column j in its low half
+// and column j + BN/2 in its high half, so `word << 16` gives columns 0..BN/2-1 as float32 and
+// `word & 0xffff0000` columns BN/2..BN-1. BN is 32 with AVX-512, 16 otherwise (AVX2, or the scalar
+// loop), so the library that packs is the one that multiplies; `packed.size(2)` is its BN.
+//
+// Rows of x go through register tiles of up to kTileRows rows (a decode step's rows in one or two
+// tiles); the threads split the panels, and each panel is read from memory once per block of kBlockRows
+// rows, then from cache by the block's other tiles.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// The op namespace; a test builds this file a second time for AVX2 under another name.
+#ifndef CONVEYOR_LINEAR_NAMESPACE
+#define CONVEYOR_LINEAR_NAMESPACE conveyor_linear
+#endif
+#define CONVEYOR_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+namespace {
+
+using at::Tensor;
+
+#if defined(__AVX512F__)
+constexpr int64_t kPanel = 32;
+constexpr int kTileRows = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 zmm registers
+const char* const kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kPanel = 16;
+constexpr int kTileRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 ymm registers
+const char* const kIsa = "avx2";
+#else
+constexpr int64_t kPanel = 16;
+constexpr int kTileRows = 8;
+const char* const kIsa = "scalar";
+#endif
+constexpr int64_t kHalf = kPanel / 2;
+constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weight (they stay in cache)
+
+inline uint16_t bf16_bits(float value) {
+  // Round to nearest even, as torch's float -> bfloat16 conversion (exact for bfloat16 values).
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float bf16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// Row k of a panel as float32 columns [0, BN/2) and [BN/2, BN).
+#if defined(__AVX512F__)
+using Vec = __m512;
+inline void load_row(const float* row, Vec& lo, Vec& hi) {
+  lo = _mm512_loadu_ps(row);
+  hi = _mm512_loadu_ps(row + kHalf);
+}
+inline void load_row(const uint16_t* row, Vec& lo, Vec& hi) {
+  const __m512i words = _mm512_loadu_si512(row);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using Vec = __m256;
+inline void load_row(const float* row, Vec& lo, Vec& hi) {
+  lo = _mm256_loadu_ps(row);
+  hi = _mm256_loadu_ps(row + kHalf);
+}
+inline void load_row(const uint16_t* row, Vec& lo, Vec& hi) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#endif
+
+inline float weight_value(const float* row, int64_t j) { return row[j]; }
+inline float weight_value(const uint16_t* row, int64_t j) {
+  return bf16_value(row[j < kHalf ? 2 * j : 2 * (j - kHalf) + 1]);
+}
+
+// One tile: rows [0, ROWS) of x against one panel; writes `cols` (<= kPanel) columns of out.
+template <int ROWS, typename W>
+void tile(const float* x, int64_t ldx, const W* panel, int64_t K, const float* bias, float* out, int64_t ldo,
+          int64_t cols) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  Vec lo[ROWS], hi[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+#if defined(__AVX512F__)
+    lo[r] = hi[r] = _mm512_setzero_ps();
+#else
+    lo[r] = hi[r] = _mm256_setzero_ps();
+#endif
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    Vec w_lo, w_hi;
+    load_row(panel + k * kPanel, w_lo, w_hi);
+    for (int r = 0; r < ROWS; ++r) {
+#if defined(__AVX512F__)
+      const Vec xv = _mm512_set1_ps(x[r * ldx + k]);
+      lo[r] = _mm512_fmadd_ps(xv, w_lo, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xv, w_hi, hi[r]);
+#else
+      const Vec xv = _mm256_broadcast_ss(x + r * ldx + k);
+      lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
+#endif
+    }
+  }
+  alignas(64) float acc[kPanel];
+  for (int r = 0; r < ROWS; ++r) {
+#if defined(__AVX512F__)
+    _mm512_store_ps(acc, lo[r]);
+    _mm512_store_ps(acc + kHalf, hi[r]);
+#else
+    _mm256_store_ps(acc, lo[r]);
+    _mm256_store_ps(acc + kHalf, hi[r]);
+#endif
+    for (int64_t c = 0; c < cols; ++c) {
+      out[r * ldo + c] = acc[c] + (bias ? bias[c] : 0.0f);
+    }
+  }
+#else
+  float acc[ROWS][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const W* row = panel + k * kPanel;
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const float w = weight_value(row, j);
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][j] += x[r * ldx + k] * w;
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      out[r * ldo + c] = acc[r][c] + (bias ? bias[c] : 0.0f);
+    }
+  }
+#endif
+}
+
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, const float*, float*, int64_t, int64_t);
+
+template <typename W, int... R>
+constexpr std::array<TileFn<W>, sizeof...(R)> make_tiles(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1, W>...};
+}
+
+// `[N, K]` float32 -> `[num_panels, K, kPanel]` float32, or bfloat16 bits in the interleaved layout.
+Tensor pack_weight(const Tensor& weight, bool bf16) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "weight must be [out_features, in_features] float32, got ", weight.scalar_type(), " ",
+              weight.sizes());
+  const Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  Tensor packed = at::zeros({panels, K, kPanel}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const float* src = w.data_ptr<float>();
+  float* dst_f = bf16 ? nullptr : packed.data_ptr<float>();
+  uint16_t* dst_b = bf16 ? reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()) : nullptr;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
+        const int64_t n = p * kPanel + j;
+        const int64_t slot = j < kHalf ? 2 * j : 2 * (j - kHalf) + 1;
+        for (int64_t k = 0; k < K; ++k) {
+          if (bf16) {
+            dst_b[(p * K + k) * kPanel + slot] = bf16_bits(src[n * K + k]);
+          } else {
+            dst_f[(p * K + k) * kPanel + j] = src[n * K + k];
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+template <typename W>
+void run_linear(const float* xp, const W* wp, const float* bp, float* op, int64_t M, int64_t K,
+                int64_t panels, int64_t out_features) {
+  static constexpr auto tiles = make_tiles<W>(std::make_integer_sequence<int, kTileRows>{});
+  for (int64_t block = 0; block < M; block += kBlockRows) {
+    const int64_t block_rows = std::min(kBlockRows, M - block);
+    // Tiles of near-equal height: 16 rows run as 8 + 8, not 12 + 4.
+    const int64_t num_tiles = (block_rows + kTileRows - 1) / kTileRows;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col = p * kPanel;
+        const int64_t cols = std::min(kPanel, out_features - col);
+        int64_t row = block;
+        for (int64_t t = 0; t < num_tiles; ++t) {
+          const int64_t rows = (block + block_rows - row) / (num_tiles - t);
+          tiles[rows - 1](xp + row * K, K, wp + p * K * kPanel, K, bp ? bp + col : nullptr,
+                          op + row * out_features + col, out_features, cols);
+          row += rows;
+        }
+      }
+    });
+  }
+}
+
+// x `[M, K]` float32 -> `[M, out_features]` float32.
+Tensor linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [num_tokens, in_features] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+              "packed weight must come from this library's pack_weight (panels of ", kPanel, ")");
+  const int64_t M = x.size(0), K = packed.size(1), panels = packed.size(0);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel, "out_features ",
+              out_features, " does not match a packed weight of ", panels, " panels of ", kPanel);
+  Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == out_features, "bias must be [", out_features, "]");
+  }
+  const Tensor xc = x.contiguous();
+  Tensor out = at::empty({M, out_features}, x.options());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (packed.scalar_type() == at::kBFloat16) {
+    run_linear(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
+               out.data_ptr<float>(), M, K, panels, out_features);
+  } else {
+    run_linear(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, out.data_ptr<float>(), M, K, panels,
+               out_features);
+  }
+  return out;
+}
+
+std::string isa() { return kIsa; }
+
+}  // namespace
+
+CONVEYOR_LIBRARY(CONVEYOR_LINEAR_NAMESPACE, m) {
+  m.def("pack_weight(Tensor weight, bool bf16) -> Tensor", &pack_weight);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor", &linear);
+  m.def("isa() -> str", &isa);
+}
