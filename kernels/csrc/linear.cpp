@@ -108,10 +108,12 @@ inline float weight_value(const uint16_t* row, int64_t j) {
   return bf16_value(row[j < kHalf ? 2 * j : 2 * (j - kHalf) + 1]);
 }
 
-// One tile: rows [0, ROWS) of x against one panel; writes `cols` (<= kPanel) columns of out.
+// One tile: rows [0, ROWS) of x against one panel; writes `cols` (<= kPanel) columns of out. With
+// `next`, the panel the thread takes next is prefetched into cache meanwhile, so that the memory
+// stream overlaps this tile's arithmetic instead of stalling the next one.
 template <int ROWS, typename W>
 void tile(const float* x, int64_t ldx, const W* panel, int64_t K, const float* bias, float* out, int64_t ldo,
-          int64_t cols) {
+          int64_t cols, const W* next) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   Vec lo[ROWS], hi[ROWS];
   for (int r = 0; r < ROWS; ++r) {
@@ -121,7 +123,13 @@ void tile(const float* x, int64_t ldx, const W* panel, int64_t K, const float* b
     lo[r] = hi[r] = _mm256_setzero_ps();
 #endif
   }
+  constexpr int64_t kLines = (kPanel * sizeof(W) + 63) / 64;  // cache lines per panel row
   for (int64_t k = 0; k < K; ++k) {
+    if (next != nullptr) {
+      for (int64_t line = 0; line < kLines; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel) + 64 * line, _MM_HINT_T1);
+      }
+    }
     Vec w_lo, w_hi;
     load_row(panel + k * kPanel, w_lo, w_hi);
     for (int r = 0; r < ROWS; ++r) {
@@ -150,6 +158,7 @@ void tile(const float* x, int64_t ldx, const W* panel, int64_t K, const float* b
     }
   }
 #else
+  (void)next;
   float acc[ROWS][kPanel] = {};
   for (int64_t k = 0; k < K; ++k) {
     const W* row = panel + k * kPanel;
@@ -169,7 +178,8 @@ void tile(const float* x, int64_t ldx, const W* panel, int64_t K, const float* b
 }
 
 template <typename W>
-using TileFn = void (*)(const float*, int64_t, const W*, int64_t, const float*, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, const float*, float*, int64_t, int64_t,
+                        const W*);
 
 template <typename W, int... R>
 constexpr std::array<TileFn<W>, sizeof...(R)> make_tiles(std::integer_sequence<int, R...>) {
@@ -221,8 +231,9 @@ void run_linear(const float* xp, const W* wp, const float* bp, float* op, int64_
         int64_t row = block;
         for (int64_t t = 0; t < num_tiles; ++t) {
           const int64_t rows = (block + block_rows - row) / (num_tiles - t);
+          const W* next = t + 1 == num_tiles && p + 1 < end ? wp + (p + 1) * K * kPanel : nullptr;
           tiles[rows - 1](xp + row * K, K, wp + p * K * kPanel, K, bp ? bp + col : nullptr,
-                          op + row * out_features + col, out_features, cols);
+                          op + row * out_features + col, out_features, cols, next);
           row += rows;
         }
       }
