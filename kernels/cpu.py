@@ -37,7 +37,7 @@ from conveyor.kernels.reference import prefill_attention
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp", CSRC / "decoder.cpp")
 EXTENSION_NAME = "conveyor_cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
@@ -111,8 +111,9 @@ def load_library() -> None:
                 verbose=False,
             )
         except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
+            names = ", ".join(source.name for source in SOURCES)
             _error = CPUKernelBuildError(
-                f"building the C++ CPU kernels ({', '.join(s.name for s in SOURCES)}) failed: {_build_failure(exc)}"
+                f"building the C++ CPU kernels ({names}) failed: {_build_failure(exc)}"
             )
             raise _error from exc
         logger.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
@@ -257,3 +258,85 @@ def pack_linear_layers(model: nn.Module) -> dict[str, int]:
             name = str(module.weight_dtype).removeprefix("torch.")
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+# The kinds of linear layer the layer loop calls (csrc/decoder.cpp's LinearKind).
+LINEAR_PLAIN, LINEAR_ONEDNN, LINEAR_PANEL = 0, 1, 2
+
+
+def linear_kind(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """(weight, bias, kind, out_features) of a linear layer as `decoder_layers` takes it: an
+    `nn.Linear`, a oneDNN `PackedLinear` or a `CPULinear`. Raises TypeError for anything else."""
+    from conveyor.kernels.onednn import PackedLinear
+
+    if isinstance(module, CPULinear):
+        return module.packed_weight, module.bias, LINEAR_PANEL, module.out_features
+    if isinstance(module, PackedLinear):
+        return module.packed_weight, module.bias, LINEAR_ONEDNN, module.out_features
+    if type(module) is nn.Linear:
+        bias = None if module.bias is None else module.bias.detach()
+        return module.weight.detach(), bias, LINEAR_PLAIN, module.out_features
+    raise TypeError(f"the layer loop cannot call a {type(module).__name__} as a linear layer")
+
+
+class DecoderLayers:
+    """A decoder's whole layer loop for one step as one C++ call (`csrc/decoder.cpp`): the same kernels
+    in the same order as the model's Python layers, without a Python dispatch per op (6-8 ms of a
+    40 ms decode step on 2 cores).
+
+    norm_weights: per layer the input and post-attention RMSNorm weights, then the final norm's
+    (`2 * num_layers + 1`); linears: per layer q/k/v, o, gate/up and down (`4 * num_layers`, see
+    `linear_kind`). Built once after the weights are final (packed); holds references, not copies.
+    """
+
+    def __init__(
+        self,
+        norm_weights: list[torch.Tensor],
+        linears: list[nn.Module],
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        load_library()
+        parts = [linear_kind(module) for module in linears]
+        self.norm_weights = [w.detach() for w in norm_weights]
+        self.weights = [p[0] for p in parts]
+        self.biases = [p[1] for p in parts]
+        self.kinds = [p[2] for p in parts]
+        self.out_features = [p[3] for p in parts]
+        self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden: `[num_tokens, hidden_size]` embedded tokens -> the final norm's output, same shape and
+        dtype. Metadata as `conveyor.server.model.models.llama.AttentionMetadata`."""
+        return torch.ops.conveyor_decoder.decoder_layers(
+            hidden,
+            positions,
+            cos_sin_cache,
+            self.norm_weights,
+            self.weights,
+            self.biases,
+            self.kinds,
+            self.out_features,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            slot_mapping,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.scale,
+        )

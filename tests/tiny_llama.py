@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.kernels import KernelBackend
 from conveyor.kernels import reference as ref
 from conveyor.server.model.models.llama import AttentionMetadata, LlamaForCausalLM, ModelShape
 
 NUM_KV_HEADS, HEAD_DIM = 2, 16
 
 
-def tiny_llama(tie: bool, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Weights from seed 0, so two calls build the same model; parameters cast to `dtype`."""
+def tiny_llama(tie: bool, dtype: torch.dtype, ops: KernelBackend = ref) -> LlamaForCausalLM:
+    """Weights from seed 0, so two calls build the same model; parameters cast to `dtype`; `ops` the
+    kernel backend (default the torch reference)."""
     shape = ModelShape(
         vocab_size=300,
         hidden_size=64,
@@ -29,7 +31,7 @@ def tiny_llama(tie: bool, dtype: torch.dtype) -> LlamaForCausalLM:
         attention_bias=True,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(shape, ref)
+    model = LlamaForCausalLM(shape, ops)
     for param in model.parameters():
         param.data = param.data.to(dtype)
     return model.eval()

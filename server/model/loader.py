@@ -234,6 +234,12 @@ def load_model(
         for param in model.parameters():
             param.data = param.data.to(dtype)
     _pack_cpu_matmuls(model, dtype, device, ops)
+    if device.type == "cpu" and ops is cpu_kernels and model.tp.size == 1:
+        norms, linears = model.layer_parts()
+        shape = model.shape
+        model.layer_loop = cpu_kernels.DecoderLayers(
+            norms, linears, shape.num_heads, shape.num_kv_heads, shape.rms_norm_eps, shape.head_dim**-0.5
+        )
     return model.eval()
 
 

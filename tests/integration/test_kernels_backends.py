@@ -20,15 +20,23 @@ from types import ModuleType
 import pytest
 import torch
 
-from conveyor.kernels import KERNEL_NAMES
+from conveyor.kernels import KERNEL_NAMES, cpu
 from conveyor.kernels import reference as ref
 
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# (num_heads, num_kv_heads, head_dim, block_size): the head ratios 9:3 (SmolLM2), 32:8 (Llama-3-8B)
-# and 1:1, head_dim 64 and 128, block sizes 16 and 32.
-LAYOUTS = [(9, 3, 64, 16), (9, 3, 64, 32), (32, 8, 128, 16), (4, 4, 128, 32), (2, 2, 64, 16)]
+# (num_heads, num_kv_heads, head_dim, block_size): the head ratios 9:3 (SmolLM2), 32:8 (Llama-3-8B),
+# 2:1 and 1:1, head_dim 64 and 128, block sizes 8, 16 and 32 (the C++ decode kernel scores 16 tokens at
+# a time, so a block of 8 splits them).
+LAYOUTS = [
+    (9, 3, 64, 16),
+    (9, 3, 64, 32),
+    (32, 8, 128, 16),
+    (4, 4, 128, 32),
+    (2, 2, 64, 16),
+    (8, 4, 64, 8),
+]
 LAYOUT_IDS = ["h{}_kv{}_d{}_bs{}".format(*x) for x in LAYOUTS]
 DTYPES = [torch.float32, torch.bfloat16]
 # Decodes at 1, 15, 16, 17 and a few hundred tokens of context, in one batch.
@@ -334,6 +342,9 @@ def test_cpu_backend_without_a_compiler_falls_back_to_torch(tmp_path):
     assert f"WARNING {reason}; using the torch reference kernels on CPU" in proc.stderr
 
 
+_BUILD_FAILED = f"error building the C++ CPU kernels ({', '.join(s.name for s in cpu.SOURCES)}) failed: "
+
+
 def test_cpu_backend_build_failure_names_the_compiler_message(tmp_path):
     """A compiler that fails: the error carries its message, not the compiler command lines."""
     compiler = tmp_path / "broken-c++"
@@ -347,7 +358,7 @@ def test_cpu_backend_build_failure_names_the_compiler_message(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "default torch"
-    assert lines[1].startswith("error building the C++ CPU kernels (cpu_kernels.cpp) failed: ")
+    assert lines[1].startswith(_BUILD_FAILED)
     assert "fatal error: no space left on device" in lines[1]
     assert str(compiler) not in lines[1]  # ninja's echo of the full compiler command is left out
 
@@ -361,7 +372,7 @@ def test_cpu_backend_compiler_that_cannot_even_say_its_version_falls_back(tmp_pa
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "default torch"
-    assert lines[1].startswith("error building the C++ CPU kernels (cpu_kernels.cpp) failed: ")
+    assert lines[1].startswith(_BUILD_FAILED)
 
 
 def test_serve_asking_for_cpu_kernels_without_a_compiler_exits_with_one_line(tmp_path):

@@ -196,6 +196,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Set by the loader where the kernel backend runs the whole layer loop in one call
+        # (`conveyor.kernels.cpu.DecoderLayers`); `forward` then hands the embedded tokens to it.
+        self.layer_loop = None
         self.register_buffer(
             "cos_sin_cache",
             rope_cos_sin_cache(
@@ -222,11 +225,33 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: `[num_tokens]` int64. Returns hidden states `[num_tokens, hidden_size]`."""
         hidden = self.embed(input_ids)
+        if self.layer_loop is not None:
+            return self.layer_loop(
+                hidden,
+                positions,
+                self.cos_sin_cache,
+                kv_caches,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+            )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def layer_parts(self) -> tuple[list[torch.Tensor], list[nn.Module]]:
+        """What a fused layer loop needs, in execution order: the RMSNorm weights (per layer input and
+        post-attention, then the final norm) and the linear layers (per layer q/k/v, o, gate/up, down)."""
+        norms: list[torch.Tensor] = []
+        linears: list[nn.Module] = []
+        for layer in self.layers:
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            attn, mlp = layer.self_attn, layer.mlp
+            linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        return [*norms, self.norm.weight], linears
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: `[num_rows, hidden_size]` -> logits `[num_rows, vocab_size]` (on rank 0; None on the
