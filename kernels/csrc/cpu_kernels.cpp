@@ -24,9 +24,15 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+// The op namespace; a test builds this file a second time for AVX2 under another name.
+#ifndef CONVEYOR_CPU_NAMESPACE
+#define CONVEYOR_CPU_NAMESPACE conveyor_cpu
+#endif
+#define CONVEYOR_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 
 namespace conveyor::cpu {
 
@@ -190,6 +196,7 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   }
 }
 
+#if !(defined(__AVX2__) && defined(__FMA__))
 inline void softmax(float* s, int64_t n) {
   const float max_score = *std::max_element(s, s + n);
   float sum = 0.f;
@@ -198,6 +205,72 @@ inline void softmax(float* s, int64_t n) {
     sum += s[i];
   }
   for (int64_t i = 0; i < n; ++i) {
+    s[i] /= sum;
+  }
+}
+#endif
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp(x) for 8 floats, as the AVX-512 exp_ps: 2^n * 2^f, 2^f by its degree-6 Taylor polynomial, 2^n
+// built in the exponent bits (x clamped to [-87, 88] keeps n + 127 in [1, 254]).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float reduce_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float reduce_add(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline void softmax(float* s, int64_t n) {
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+  }
+  float max_score = reduce_max(vmax);
+  for (; i < n; ++i) {
+    max_score = std::max(max_score, s[i]);
+  }
+  const __m256 m = _mm256_set1_ps(max_score);
+  __m256 vsum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = reduce_add(vsum);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max_score);
+    sum += s[i];
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  for (i = 0; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
+  }
+  for (; i < n; ++i) {
     s[i] /= sum;
   }
 }
@@ -526,43 +599,80 @@ void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_
   });
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The vector width the decode attention below is written against: one source for AVX-512 and AVX2.
 #if defined(__AVX512F__)
-// out lane i = the sum of the 16 lanes of v[i]: sixteen dot products finished at once, in 45 shuffles
-// and adds instead of sixteen horizontal reductions.
-inline __m512 reduce16(const __m512* v) {
-  __m512 pairs[8];  // per 128-bit lane: (v[2i] even, v[2i+1] even, v[2i] odd, v[2i+1] odd) partials
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+struct Simd {
+  using Vec = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int64_t kHeadsPerPass = 3;  // query heads whose V sums stay in the 32 registers at once
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec set1(float x) { return _mm512_set1_ps(x); }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load(const c10::BFloat16* p) { return load16(p); }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  // out lane i = the sum of the lanes of v[i], i < 16: sixteen dot products finished at once in 45
+  // shuffles and adds instead of sixteen horizontal reductions.
+  static Vec reduce(const Vec* v) {
+    __m512 pairs[8];  // per 128-bit lane: (v[2i] even, v[2i+1] even, v[2i] odd, v[2i+1] odd) partials
+    for (int i = 0; i < 8; ++i) {
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                               _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    }
+    __m512 quads[4];  // per 128-bit lane: partials of v[4i .. 4i+3]
+    for (int i = 0; i < 4; ++i) {
+      quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    // Sum the four 128-bit lanes: lanes (0+1, 2+3) of two vectors, then those halves.
+    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  __m512 quads[4];  // per 128-bit lane: partials of v[4i .. 4i+3]
-  for (int i = 0; i < 4; ++i) {
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+};
+#else
+struct Simd {
+  using Vec = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int64_t kHeadsPerPass = 1;  // 16 registers: one head's V sums at a time
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec set1(float x) { return _mm256_set1_ps(x); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load(const c10::BFloat16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
   }
-  // Sum the four 128-bit lanes: first lanes (0+1, 2+3) of two vectors, then those halves.
-  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  // out lane i = the sum of the lanes of v[i], i < 8.
+  static Vec reduce(const Vec* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+};
+#endif
 
-constexpr int64_t kHeadsPerPass = 3;
-constexpr int64_t kPrefetchTokens = 16;  // how far ahead K and V rows are fetched  // query heads whose V accumulators stay in registers at once
+constexpr int64_t kPrefetchTokens = 16;  // how far ahead K and V rows are fetched
 
-// The same attention as decode_attention, for head_dim = 16 * V, in vector registers: one task per
+// The same attention as decode_attention, for head_dim = kLanes * V, in vector registers: one task per
 // (decode sequence, KV head), so a step's work splits evenly over threads whatever the lengths. Each K
-// row is widened to float32 once for the group's query heads; their dot products are finished 16 tokens
-// at a time (reduce16); the weighted sum of V rows accumulates in registers, kHeadsPerPass heads per
-// pass over V. Scores, softmax and sums are float32 as in decode_attention; only the order of additions
-// inside a dot product differs.
+// row is widened to float32 once for the group's query heads; their dot products are finished kLanes
+// tokens at a time (Simd::reduce); the weighted sum of V rows accumulates in registers, kHeadsPerPass
+// heads per pass over V. Scores, softmax and sums are float32 as in decode_attention; only the order of
+// additions inside a dot product differs.
 template <typename T, int V>
 void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                           const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                           const int64_t* ids, const int64_t* rows, int64_t num_decode, double scale) {
-  constexpr int64_t head_dim = 16 * V;
+  using Vec = Simd::Vec;
+  constexpr int64_t L = Simd::kLanes, H = Simd::kHeadsPerPass, head_dim = L * V;
   const int64_t num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
@@ -576,11 +686,11 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
   T* out_ptr = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const Vec vscale = Simd::set1(static_cast<float>(scale));
 
   at::parallel_for(0, num_decode * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> q(groups * V), partial(groups * 16);
-    std::vector<float> scores;
+    std::vector<Vec> q(groups * V), partial(groups * L);
+    std::vector<float> scores, result(head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t d = task / num_kv_heads, kv = task % num_kv_heads;
       const int64_t seq = ids ? ids[d] : d;
@@ -588,78 +698,71 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
       const int64_t len = lens[seq];
       const int32_t* table = tables + seq * max_blocks;
       const int64_t head0 = kv * groups;
+      // Row t of this KV head in the K or V cache (blocks sit anywhere, so rows ahead are fetched by hand).
+      auto cache_row = [&](const T* cache, int64_t t) {
+        return cache + table[t / block_size] * block_elems + (t % block_size) * slot_size + kv * head_dim;
+      };
       for (int64_t g = 0; g < groups; ++g) {
         const T* src = q_ptr + row * query.stride(0) + (head0 + g) * query.stride(1);
         for (int v = 0; v < V; ++v) {
-          q[g * V + v] = _mm512_mul_ps(load16(src + 16 * v), vscale);
+          q[g * V + v] = Simd::mul(Simd::load(src + L * v), vscale);
         }
       }
-      const int64_t padded = (len + 15) / 16 * 16;
+      const int64_t padded = (len + L - 1) / L * L;
       scores.resize(groups * padded);  // scores[g * padded + t]
-      // Scores, 16 tokens at a time (a group of 16 may span two blocks when block_size < 16).
-      for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const int64_t count = std::min<int64_t>(16, len - t0);
-        for (int64_t i = 0; i < 16; ++i) {
-          if (i >= count) {
-            for (int64_t g = 0; g < groups; ++g) partial[g * 16 + i] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < len; t0 += L) {
+        for (int64_t i = 0; i < L; ++i) {
+          const int64_t t = t0 + i;
+          if (t >= len) {
+            for (int64_t g = 0; g < groups; ++g) partial[g * L + i] = Simd::zero();
             continue;
           }
-          const int64_t t = t0 + i;
-          const T* k = k_ptr + table[t / block_size] * block_elems + (t % block_size) * slot_size + kv * head_dim;
-          if (t + kPrefetchTokens < len) {  // blocks sit anywhere in the cache: fetch ahead by hand
-            const int64_t n = t + kPrefetchTokens;
-            prefetch(k_ptr + table[n / block_size] * block_elems + (n % block_size) * slot_size + kv * head_dim,
-                     head_dim);
-          }
-          __m512 kf[V];
-          for (int v = 0; v < V; ++v) kf[v] = load16(k + 16 * v);
+          if (t + kPrefetchTokens < len) prefetch(cache_row(k_ptr, t + kPrefetchTokens), head_dim);
+          const T* k = cache_row(k_ptr, t);
+          Vec kf[V];
+          for (int v = 0; v < V; ++v) kf[v] = Simd::load(k + L * v);
           for (int64_t g = 0; g < groups; ++g) {
-            __m512 acc = _mm512_mul_ps(q[g * V], kf[0]);
-            for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(q[g * V + v], kf[v], acc);
-            partial[g * 16 + i] = acc;
+            Vec acc = Simd::mul(q[g * V], kf[0]);
+            for (int v = 1; v < V; ++v) acc = Simd::fmadd(q[g * V + v], kf[v], acc);
+            partial[g * L + i] = acc;
           }
         }
         for (int64_t g = 0; g < groups; ++g) {
-          _mm512_storeu_ps(scores.data() + g * padded + t0, reduce16(partial.data() + g * 16));
+          Simd::store(scores.data() + g * padded + t0, Simd::reduce(partial.data() + g * L));
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
         softmax(scores.data() + g * padded, len);
       }
-      for (int64_t g0 = 0; g0 < groups; g0 += kHeadsPerPass) {
-        const int64_t heads = std::min(kHeadsPerPass, groups - g0);
-        __m512 acc[kHeadsPerPass][V];
-        for (int64_t h = 0; h < kHeadsPerPass; ++h)
-          for (int v = 0; v < V; ++v) acc[h][v] = _mm512_setzero_ps();
+      for (int64_t g0 = 0; g0 < groups; g0 += H) {
+        const int64_t heads = std::min(H, groups - g0);
+        Vec acc[H][V];
+        for (int64_t h = 0; h < H; ++h)
+          for (int v = 0; v < V; ++v) acc[h][v] = Simd::zero();
         const float* s0 = scores.data() + g0 * padded;
         for (int64_t t = 0; t < len; ++t) {
-          const T* vrow = v_ptr + table[t / block_size] * block_elems + (t % block_size) * slot_size + kv * head_dim;
-          if (t + kPrefetchTokens < len) {
-            const int64_t n = t + kPrefetchTokens;
-            prefetch(v_ptr + table[n / block_size] * block_elems + (n % block_size) * slot_size + kv * head_dim,
-                     head_dim);
-          }
-          __m512 vf[V];
-          for (int v = 0; v < V; ++v) vf[v] = load16(vrow + 16 * v);
-          const __m512 p0 = _mm512_set1_ps(s0[t]);
-          for (int v = 0; v < V; ++v) acc[0][v] = _mm512_fmadd_ps(p0, vf[v], acc[0][v]);
-          if (heads > 1) {
-            const __m512 p1 = _mm512_set1_ps(s0[padded + t]);
-            for (int v = 0; v < V; ++v) acc[1][v] = _mm512_fmadd_ps(p1, vf[v], acc[1][v]);
-          }
-          if (heads > 2) {
-            const __m512 p2 = _mm512_set1_ps(s0[2 * padded + t]);
-            for (int v = 0; v < V; ++v) acc[2][v] = _mm512_fmadd_ps(p2, vf[v], acc[2][v]);
+          if (t + kPrefetchTokens < len) prefetch(cache_row(v_ptr, t + kPrefetchTokens), head_dim);
+          const T* vrow = cache_row(v_ptr, t);
+          Vec p[H];
+          for (int64_t h = 0; h < heads; ++h) p[h] = Simd::set1(s0[h * padded + t]);
+          for (int v = 0; v < V; ++v) {
+            const Vec vf = Simd::load(vrow + L * v);
+            acc[0][v] = Simd::fmadd(p[0], vf, acc[0][v]);
+            for (int64_t h = 1; h < heads; ++h) acc[h][v] = Simd::fmadd(p[h], vf, acc[h][v]);
           }
         }
         for (int64_t h = 0; h < heads; ++h) {
+          for (int v = 0; v < V; ++v) Simd::store(result.data() + L * v, acc[h][v]);
           T* dst = out_ptr + row * out.stride(0) + (head0 + g0 + h) * out.stride(1);
-          for (int v = 0; v < V; ++v) store16(dst + 16 * v, acc[h][v]);
+          for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<T>(result[x]);
         }
       }
     }
   });
 }
+
+template <typename T>
+constexpr bool kSimdAttention = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 #endif
 
 // Writes out[query_rows[i]] for decode sequence seq_ids[i]; without seq_ids/query_rows, every sequence is
@@ -707,13 +810,14 @@ void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor
                 " does not fit its block table of ", capacity, " slots");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-#if defined(__AVX512F__)
-    if constexpr (kVectorized<scalar_t>) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if constexpr (kSimdAttention<scalar_t>) {
+      constexpr int64_t L = Simd::kLanes;
       switch (query.size(2)) {
-        case 64:
+        case 4 * L:
           return decode_attention_vec<scalar_t, 4>(out, query, key_cache, value_cache, tables, lens, id_ptr,
                                                    row_ptr, num_decode, scale);
-        case 128:
+        case 8 * L:
           return decode_attention_vec<scalar_t, 8>(out, query, key_cache, value_cache, tables, lens, id_ptr,
                                                    row_ptr, num_decode, scale);
         default:
@@ -728,7 +832,7 @@ void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor
 
 }  // namespace conveyor::cpu
 
-TORCH_LIBRARY(conveyor_cpu, m) {
+CONVEYOR_LIBRARY(CONVEYOR_CPU_NAMESPACE, m) {
   using namespace conveyor::cpu;
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",

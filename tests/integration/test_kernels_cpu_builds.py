@@ -1,0 +1,93 @@
+"""The C++ CPU kernels (`kernels/csrc/cpu_kernels.cpp`) built for AVX2 and without vector instructions,
+against the torch reference: the server compiles with `-march=native`, so an AVX-512 machine runs only
+its AVX-512 paths; these builds (under other op namespaces) check the paths an AVX2 machine, or one
+with neither, runs. The machine's own build is checked in test_kernels_backends.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+from conveyor.kernels import cpu
+from conveyor.kernels import reference as ref
+from tests.integration.test_kernels_backends import (
+    DECODE_BATCH,
+    DTYPES,
+    LAYOUT_IDS,
+    LAYOUTS,
+    MIXED_BATCH,
+    PagedBatch,
+    _tol,
+)
+
+BUILDS = {
+    "avx2": ["-O3", "-mavx2", "-mfma", "-mno-avx512f"],
+    "scalar": ["-O3", "-mno-avx", "-mno-avx2"],
+}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def ops(request: pytest.FixtureRequest):
+    """The `conveyor_cpu` ops of one build (compiled on first use, cached like the server's)."""
+    namespace = f"conveyor_cpu_{request.param}"
+    cpp_extension.load(
+        name=f"{namespace}_{cpu._build_name()}",
+        sources=[str(cpu.CSRC / "cpu_kernels.cpp")],
+        extra_cflags=[*BUILDS[request.param], "-fopenmp", f"-DCONVEYOR_CPU_NAMESPACE={namespace}"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    return getattr(torch.ops, namespace)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_decode_attention(ops, layout, dtype) -> None:
+    batch = PagedBatch(DECODE_BATCH, layout, dtype, seed=21)
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_decode_attention(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                               batch.seq_lens, None, None, batch.scale)  # fmt: skip
+    torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_decode_rows_of_a_mixed_step(ops, layout, dtype) -> None:
+    """Only the decode rows are written (the prefill rows keep their NaN)."""
+    batch = PagedBatch(MIXED_BATCH, layout, dtype, seed=22)
+    rows = batch.decode_rows()
+    seqs = [b for b, q in enumerate(batch.q_lens) if q == 1]
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_decode_attention(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                               batch.seq_lens, torch.tensor(seqs), torch.tensor(rows), batch.scale)  # fmt: skip
+    torch.testing.assert_close(out[rows].float(), batch.truth()[rows], **_tol(dtype))
+    others = [r for r in range(out.shape[0]) if r not in rows]
+    assert out[others].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norms_rotary_and_silu(ops, dtype) -> None:
+    g = torch.Generator().manual_seed(23)
+    x, residual = (torch.randn(13, 576, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(576, generator=g).to(dtype)
+    tol = _tol(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5), **tol)
+    for got, want in zip(
+        ops.fused_add_rms_norm(x, residual, weight, 1e-5),
+        ref.fused_add_rms_norm(x, residual, weight, 1e-5),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, **tol)
+    query = torch.randn(13, 9, 64, generator=g).to(dtype)
+    key = torch.randn(13, 3, 64, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (13,), generator=g)
+    table = ref.rope_cos_sin_cache(64, 4096, 10000.0, None)
+    for got, want in zip(
+        ops.rotary_embedding(positions, query, key, table),
+        ref.rotary_embedding(positions, query, key, table),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, **tol)
+    gate_up = torch.randn(13, 2 * 1536 + 2, generator=g).to(dtype)[:, :-2]  # a strided view
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), **tol)
