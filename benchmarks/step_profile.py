@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from conveyor.benchmarks.datasets import load_jsonl
     from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from conveyor.server.engine.async_engine import freeze_startup_heap
     from conveyor.server.engine.engine import LLMEngine
 
     samples = load_jsonl(args.workload or _default_workload(), args.num_requests)
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         warmup = samples[: min(len(samples), args.max_num_seqs)]
+        freeze_startup_heap()  # as the server does when its engine starts
         report = profile_engine(engine, samples, warmup)
     finally:
         engine.close()

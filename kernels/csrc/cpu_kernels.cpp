@@ -18,9 +18,11 @@
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -687,12 +689,21 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const Vec vscale = Simd::set1(static_cast<float>(scale));
+  // Contexts differ by 10x and more, so a static split leaves one thread waiting for the other: the
+  // threads take tasks one at a time, longest sequences first.
+  std::vector<int64_t> order(num_decode);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return lens[ids ? ids[a] : a] > lens[ids ? ids[b] : b];
+  });
+  const int64_t num_tasks = num_decode * num_kv_heads;
+  std::atomic<int64_t> next_task{0};
 
-  at::parallel_for(0, num_decode * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<Vec> q(groups * V), partial(groups * L);
     std::vector<float> scores, result(head_dim);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t d = task / num_kv_heads, kv = task % num_kv_heads;
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+      const int64_t d = order[task / num_kv_heads], kv = task % num_kv_heads;
       const int64_t seq = ids ? ids[d] : d;
       const int64_t row = rows ? rows[d] : d;
       const int64_t len = lens[seq];

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import logging
 import threading
 import time
@@ -90,6 +91,19 @@ def release_openmp_threads() -> None:
         logger.debug("omp_pause_resource_all refused; OpenMP threads left as they are")
 
 
+def freeze_startup_heap() -> None:
+    """Collect garbage once, then move every live object into the collector's permanent generation
+    (`gc.freeze`; `gc.unfreeze` moves them back).
+
+    Why: the start-up heap (torch, transformers, the tokenizer, the model: millions of objects) lives
+    as long as the server, yet every oldest-generation collection that serving triggers walks all of
+    it; in a float32 run on 2 cores that was 8 % of the CPU time. vLLM's engine core freezes its
+    start-up heap the same way.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
     """On a caller's event loop: put each item in its queue."""
     for queue, item in puts:
@@ -122,12 +136,15 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Start the loop thread. The thread that built the engine (loading and packing weights ran
-        OpenMP regions there) hands its OpenMP threads back first: see `release_openmp_threads`."""
+        OpenMP regions there) hands its OpenMP threads back first: see `release_openmp_threads`. The
+        heap built so far is frozen for the garbage collector until `stop`: see `freeze_startup_heap`."""
         release_openmp_threads()
+        freeze_startup_heap()
         self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        gc.unfreeze()
         self._stopped.set()
         self._wakeup.set()
         if self._thread is not None:

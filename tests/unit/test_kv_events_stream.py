@@ -153,3 +153,18 @@ def test_ending_the_streams_at_server_shutdown_ends_current_and_later_subscriber
 
     run_with(fake, body)
     assert fake.kv_cache.take_events() == []  # nobody subscribed: nothing recorded
+
+
+def test_the_heap_is_frozen_for_the_garbage_collector_while_serving():
+    """`start` freezes the start-up heap (`gc.freeze`, see `freeze_startup_heap`); `stop` hands it
+    back to the collector, so a process that starts and stops engines leaks nothing."""
+    import gc
+
+    engine = AsyncEngine(PrefillOnlyEngine())
+    assert gc.get_freeze_count() == 0
+    engine.start()
+    try:
+        assert gc.get_freeze_count() > 0
+    finally:
+        engine.stop()
+    assert gc.get_freeze_count() == 0
