@@ -191,7 +191,39 @@ def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params:
     )
     (results / "vllm.md").write_text(text)
     print(text)
+    vllm_report(results, text)
     return 0 if failed == 0 else 1
+
+
+VLLM_SECTION = "## Against vLLM's CPU build (make bench-peers)"
+
+
+def vllm_report(results: Path, table: str) -> None:
+    """Put the vLLM comparison beside make bench's results: `table` (vllm.md's text) as the last section
+    of the folder's results.md (replacing an earlier one), and two plots drawn from the runs saved in
+    the folder: offline output throughput (`vllm_throughput.png`) and the TTFT CDF of the online runs
+    at the highest rate (`vllm_ttft_cdf_online.png`)."""
+    from conveyor.benchmarks import plots
+
+    summary = results / "results.md"
+    if summary.exists():
+        kept = summary.read_text().split(VLLM_SECTION)[0].rstrip()
+        body = table.split("\n", 1)[1].strip()  # without vllm.md's own title
+        summary.write_text(f"{kept}\n\n{VLLM_SECTION}\n\n{body}\n")
+    runs = [
+        json.loads(path.read_text())
+        for pattern in ("vLLM_*.json", "conveyor_*_vs_vllm.json")
+        for path in sorted(results.glob(pattern))
+    ]
+    offline = [r for r in runs if r["request_rate"] is None]
+    if offline:
+        plots.throughput_bars(
+            offline, results / "vllm_throughput.png", "Offline output throughput, vLLM CPU vs conveyor"
+        )
+    rates = [r["request_rate"] for r in runs if r["request_rate"] is not None]
+    online = [r for r in runs if rates and r["request_rate"] == max(rates)]
+    if online:
+        plots.ttft_cdf(online, results / "vllm_ttft_cdf_online.png", "TTFT CDF at the highest online rate")
 
 
 def run_llama_cpp(args: argparse.Namespace, results: Path, num_params: int, summary: dict) -> int:

@@ -87,23 +87,6 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   }
 }
 
-// exp(x) for 16 floats: 2^(x log2 e) split into 2^n * 2^f with f in [-0.5, 0.5], 2^f by its degree-6
-// Taylor polynomial (relative error < 2e-7); x is clamped to [-87, 88], where float32 exp is finite.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 inline __m512 load16(const c10::BFloat16* p) {
@@ -153,36 +136,6 @@ inline __m512 round_to16(__m512 x) {
 template <typename T>
 constexpr bool kVectorized = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
-inline void softmax(float* s, int64_t n) {
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-  }
-  float max_score = _mm512_reduce_max_ps(vmax);
-  for (; i < n; ++i) {
-    max_score = std::max(max_score, s[i]);
-  }
-  const __m512 m = _mm512_set1_ps(max_score);
-  __m512 vsum = _mm512_setzero_ps();
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
-    _mm512_storeu_ps(s + i, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  float sum = _mm512_reduce_add_ps(vsum);
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - max_score);
-    sum += s[i];
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / sum);
-  for (i = 0; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
-  }
-  for (; i < n; ++i) {
-    s[i] /= sum;
-  }
-}
 #else
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
@@ -198,7 +151,147 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   }
 }
 
-#if !(defined(__AVX2__) && defined(__FMA__))
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The vector width softmax and the decode attention are written against: one source for AVX-512 and
+// AVX2.
+#if defined(__AVX512F__)
+struct Simd {
+  using Vec = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int64_t kHeadsPerPass = 3;  // query heads whose V sums stay in the 32 registers at once
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec set1(float x) { return _mm512_set1_ps(x); }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+  static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+  static Vec min(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+  static Vec round(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static Vec ldexp(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+  static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load(const c10::BFloat16* p) { return load16(p); }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  // out lane i = the sum of the lanes of v[i], i < 16: sixteen dot products finished at once in 45
+  // shuffles and adds instead of sixteen horizontal reductions.
+  static Vec reduce(const Vec* v) {
+    __m512 pairs[8];  // per 128-bit lane: (v[2i] even, v[2i+1] even, v[2i] odd, v[2i+1] odd) partials
+    for (int i = 0; i < 8; ++i) {
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                               _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    }
+    __m512 quads[4];  // per 128-bit lane: partials of v[4i .. 4i+3]
+    for (int i = 0; i < 4; ++i) {
+      quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    // Sum the four 128-bit lanes: lanes (0+1, 2+3) of two vectors, then those halves.
+    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+};
+#else
+struct Simd {
+  using Vec = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int64_t kHeadsPerPass = 1;  // 16 registers: one head's V sums at a time
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec set1(float x) { return _mm256_set1_ps(x); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+  static Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+  static Vec min(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+  static Vec round(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static Vec ldexp(Vec p, Vec n) {  // p * 2^n, n integral in [-126, 127]: n + 127 in the exponent bits
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+  static float reduce_add(Vec v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+  }
+  static float reduce_max(Vec v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load(const c10::BFloat16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  // out lane i = the sum of the lanes of v[i], i < 8.
+  static Vec reduce(const Vec* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+};
+#endif
+
+
+// exp(x) lane by lane: 2^(x log2 e) split into 2^n * 2^f with f in [-0.5, 0.5], 2^f by its degree-6
+// Taylor polynomial (relative error < 2e-7); x is clamped to [-87, 88], where float32 exp is finite
+// (and n stays in [-126, 127]).
+inline Simd::Vec exp_ps(Simd::Vec x) {
+  x = Simd::min(Simd::max(x, Simd::set1(-87.0f)), Simd::set1(88.0f));
+  const Simd::Vec t = Simd::mul(x, Simd::set1(1.44269504088896341f));
+  const Simd::Vec n = Simd::round(t);
+  const Simd::Vec f = Simd::sub(t, n);
+  Simd::Vec p = Simd::set1(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f,
+                        2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f}) {
+    p = Simd::fmadd(p, f, Simd::set1(c));
+  }
+  return Simd::ldexp(p, n);
+}
+
+// s[0..n) = softmax(s[0..n)) in float32, in place.
+inline void softmax(float* s, int64_t n) {
+  using Vec = Simd::Vec;
+  constexpr int64_t L = Simd::kLanes;
+  Vec vmax = Simd::set1(-INFINITY);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    vmax = Simd::max(vmax, Simd::load(s + i));
+  }
+  float max_score = Simd::reduce_max(vmax);
+  for (; i < n; ++i) {
+    max_score = std::max(max_score, s[i]);
+  }
+  const Vec m = Simd::set1(max_score);
+  Vec vsum = Simd::zero();
+  for (i = 0; i + L <= n; i += L) {
+    const Vec e = exp_ps(Simd::sub(Simd::load(s + i), m));
+    Simd::store(s + i, e);
+    vsum = Simd::add(vsum, e);
+  }
+  float sum = Simd::reduce_add(vsum);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max_score);
+    sum += s[i];
+  }
+  const Vec inv = Simd::set1(1.f / sum);
+  for (i = 0; i + L <= n; i += L) {
+    Simd::store(s + i, Simd::mul(Simd::load(s + i), inv));
+  }
+  for (; i < n; ++i) {
+    s[i] /= sum;
+  }
+}
+#else
 inline void softmax(float* s, int64_t n) {
   const float max_score = *std::max_element(s, s + n);
   float sum = 0.f;
@@ -207,72 +300,6 @@ inline void softmax(float* s, int64_t n) {
     sum += s[i];
   }
   for (int64_t i = 0; i < n; ++i) {
-    s[i] /= sum;
-  }
-}
-#endif
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// exp(x) for 8 floats, as the AVX-512 exp_ps: 2^n * 2^f, 2^f by its degree-6 Taylor polynomial, 2^n
-// built in the exponent bits (x clamped to [-87, 88] keeps n + 127 in [1, 254]).
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-inline float reduce_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline float reduce_add(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline void softmax(float* s, int64_t n) {
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
-  }
-  float max_score = reduce_max(vmax);
-  for (; i < n; ++i) {
-    max_score = std::max(max_score, s[i]);
-  }
-  const __m256 m = _mm256_set1_ps(max_score);
-  __m256 vsum = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
-    _mm256_storeu_ps(s + i, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  float sum = reduce_add(vsum);
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - max_score);
-    sum += s[i];
-  }
-  const __m256 inv = _mm256_set1_ps(1.f / sum);
-  for (i = 0; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
-  }
-  for (; i < n; ++i) {
     s[i] /= sum;
   }
 }
@@ -602,65 +629,6 @@ void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// The vector width the decode attention below is written against: one source for AVX-512 and AVX2.
-#if defined(__AVX512F__)
-struct Simd {
-  using Vec = __m512;
-  static constexpr int kLanes = 16;
-  static constexpr int64_t kHeadsPerPass = 3;  // query heads whose V sums stay in the 32 registers at once
-  static Vec zero() { return _mm512_setzero_ps(); }
-  static Vec set1(float x) { return _mm512_set1_ps(x); }
-  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static Vec load(const c10::BFloat16* p) { return load16(p); }
-  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-  // out lane i = the sum of the lanes of v[i], i < 16: sixteen dot products finished at once in 45
-  // shuffles and adds instead of sixteen horizontal reductions.
-  static Vec reduce(const Vec* v) {
-    __m512 pairs[8];  // per 128-bit lane: (v[2i] even, v[2i+1] even, v[2i] odd, v[2i+1] odd) partials
-    for (int i = 0; i < 8; ++i) {
-      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                               _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    }
-    __m512 quads[4];  // per 128-bit lane: partials of v[4i .. 4i+3]
-    for (int i = 0; i < 4; ++i) {
-      quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    }
-    // Sum the four 128-bit lanes: lanes (0+1, 2+3) of two vectors, then those halves.
-    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-};
-#else
-struct Simd {
-  using Vec = __m256;
-  static constexpr int kLanes = 8;
-  static constexpr int64_t kHeadsPerPass = 1;  // 16 registers: one head's V sums at a time
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec set1(float x) { return _mm256_set1_ps(x); }
-  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static Vec load(const c10::BFloat16* p) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-  }
-  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-  // out lane i = the sum of the lanes of v[i], i < 8.
-  static Vec reduce(const Vec* v) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  }
-};
-#endif
-
 constexpr int64_t kPrefetchTokens = 16;  // how far ahead K and V rows are fetched
 
 // The same attention as decode_attention, for head_dim = kLanes * V, in vector registers: one task per

@@ -43,3 +43,35 @@ def test_the_server_command_and_environment() -> None:
     env = vllm_env(2)
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert cpu_flags().split(",")[0] in ("AVX-512", "AVX2", "no AVX2")
+
+
+def _run(system: str, scenario: str, rate: float | None, ttfts: list[float]) -> dict:
+    records = [{"ttft_s": t, "success": True} for t in ttfts]
+    return {"system": system, "scenario": scenario, "request_rate": rate,
+            "metrics": {"output_throughput": 100.0 / ttfts[0]}, "records": records}  # fmt: skip
+
+
+def test_the_vllm_comparison_joins_results_md_once_and_draws_its_plots(tmp_path) -> None:
+    import json
+
+    from conveyor.benchmarks.run_peers import VLLM_SECTION, vllm_report
+
+    (tmp_path / "results.md").write_text("# Benchmark results\n\n## Targets\n\nmake bench's part\n")
+    runs = {
+        "vLLM_bfloat16_offline": _run("vLLM CPU", "offline bfloat16", None, [2.0, 3.0]),
+        "vLLM_bfloat16_online_1": _run("vLLM CPU", "online 4.0 req/s", 4.0, [0.1, 0.2]),
+        "vLLM_bfloat16_online_0": _run("vLLM CPU", "online 2.0 req/s", 2.0, [0.1, 0.3]),
+        "conveyor_bfloat16_offline_vs_vllm": _run("conveyor", "offline bfloat16", None, [1.0, 2.0]),
+        "conveyor_bfloat16_online_2_vs_vllm": _run("conveyor", "online 4.0 req/s", 4.0, [0.05, 0.1]),
+    }
+    for slug, run in runs.items():
+        (tmp_path / f"{slug}.json").write_text(json.dumps(run))
+    table = "# vLLM CPU and conveyor\n\n| system | ... |\n"
+    vllm_report(tmp_path, table)
+    vllm_report(tmp_path, table.replace("...", "again"))  # a second bench-peers run replaces the first
+    text = (tmp_path / "results.md").read_text()
+    assert text.startswith("# Benchmark results\n\n## Targets\n\nmake bench's part\n")
+    assert text.count(VLLM_SECTION) == 1
+    assert text.endswith(f"{VLLM_SECTION}\n\n| system | again |\n")
+    for png in ("vllm_throughput.png", "vllm_ttft_cdf_online.png"):
+        assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
