@@ -12,8 +12,9 @@ split two ways:
   runner's batch building), forward (the model), sample, update + output processing (the scheduler's
   update, detokenizing, stop checks);
 - the forward stage by operator, from `torch.profiler`'s self CPU time of every aten/custom op over the
-  same steps: matmuls (`aten::mm/addmm/linear`, oneDNN's packed linear, the C++ backend's linear), attention (the paged-attention
-  kernels and SDPA), other kernels (RMSNorm, rotary, SiLU-and-mul, embedding, KV writes),
+  same steps: matmuls (`aten::mm/addmm/linear`, oneDNN's packed linear, the C++ backend's linear), the
+  C++ layer loop's own kernels (attention, norms, rotary, SiLU-and-mul, KV writes: one op to the
+  profiler), attention (the paged-attention kernels and SDPA), other kernels (RMSNorm, rotary, SiLU-and-mul, embedding, KV writes),
   collectives (tensor parallelism), and the rest of the op time; what the profiler does not see inside
   `forward` (Python between ops) is "Python in forward". Profiled steps are slower than unprofiled
   ones, so the by-operator split is reported as fractions of the profiled forward, applied to the
@@ -46,6 +47,9 @@ OP_CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
             r"^(aten::(mm|addmm|bmm|linear|matmul)|mkldnn::_linear_pointwise|conveyor_linear::linear)$"
         ),
     ),
+    # The C++ layer loop's own time: attention, norms, rotary, SiLU-and-mul and KV writes called directly
+    # from C++ (csrc/decoder.cpp), so the profiler sees them as one op; its matmuls still show as matmuls.
+    ("layer loop kernels", re.compile(r"^conveyor_decoder::")),
     (
         "attention",
         re.compile(r"(paged_decode_attention|scaled_dot_product|_flash_attention|attention)", re.IGNORECASE),
