@@ -281,8 +281,7 @@ def linear_kind(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, i
 
 class DecoderLayers:
     """A decoder's whole layer loop for one step as one C++ call (`csrc/decoder.cpp`): the same kernels
-    in the same order as the model's Python layers, without a Python dispatch per op (6-8 ms of a
-    40 ms decode step on 2 cores).
+    in the same order as the model's Python layers, without a Python dispatch per op.
 
     norm_weights: per layer the input and post-attention RMSNorm weights, then the final norm's
     (`2 * num_layers + 1`); linears: per layer q/k/v, o, gate/up and down (`4 * num_layers`, see

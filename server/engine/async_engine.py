@@ -97,8 +97,8 @@ def freeze_startup_heap() -> None:
 
     Why: the start-up heap (torch, transformers, the tokenizer, the model: millions of objects) lives
     as long as the server, yet every oldest-generation collection that serving triggers walks all of
-    it; in a float32 run on 2 cores that was 8 % of the CPU time. vLLM's engine core freezes its
-    start-up heap the same way.
+    it. Frozen, served float32 on 2 cores went from 221 to 254 output tok/s (SmolLM2, 64 requests at
+    once). vLLM's engine core freezes its start-up heap the same way.
     """
     gc.collect()
     gc.freeze()
