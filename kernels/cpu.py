@@ -8,7 +8,7 @@ K/V straight from the blocks with float32 scores and softmax (as vLLM's CPU and 
 kernels). Rows of prefill and chunked-prefill sequences go through the reference's
 `prefill_attention` (torch's flash-attention kernel for CPU).
 
-The library is compiled with the machine's C++ compiler the first time it is needed (about 15 s on
+The library is compiled with the machine's C++ compiler the first time it is needed (about 20 s on
 2 cores; `torch.utils.cpp_extension`, `-O3 -march=native`) and cached under `TORCH_EXTENSIONS_DIR`
 (default `~/.cache/torch_extensions`); later starts load the cached build in well under a second.
 Results match the reference to the dtype's rounding: intermediates are rounded to the tensor dtype
@@ -99,7 +99,7 @@ def load_library() -> None:
         scripts = sysconfig.get_path("scripts")
         if shutil.which("ninja") is None and os.path.exists(os.path.join(scripts, "ninja")):
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-        logger.info("loading the C++ CPU kernels (compiled on first use on a machine, about 15 s)")
+        logger.info("loading the C++ CPU kernels (compiled on first use on a machine, about 20 s)")
         start = time.perf_counter()
         try:
             cpp_extension.load(
