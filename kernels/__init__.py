@@ -4,17 +4,23 @@
   kernels cannot be built.
 - `cpu`: `conveyor.kernels.cpu`, C++ kernels for CPUs compiled on first use (needs a C++ compiler).
 - `triton`: `conveyor.kernels.triton`, Triton kernels for CUDA (on CPU only under `TRITON_INTERPRET=1`).
+
+The model runner builds each step's `AttentionMetadata` once and has the backend's `prepare_metadata`
+derive from it what the kernels need on the host (splits, gather indices, rotary rows); every layer then
+passes that one object back to `paged_attention` and `rotary_embedding`.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from typing import Protocol, cast
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 
 KERNEL_NAMES = (
+    "prepare_metadata",
     "reshape_and_cache",
     "paged_attention",
     "rms_norm",
@@ -29,8 +35,39 @@ BACKENDS = {
 }
 
 
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where one step's tokens sit in the paged KV cache (layouts in `conveyor.kernels.reference`),
+    built by the model runner once per step and read by every layer.
+
+    slot_mapping: `[num_tokens]` int64; block_tables: `[num_seqs, max_blocks]` int32;
+    query_start_loc: `[num_seqs + 1]` int32; seq_lens: `[num_seqs]` int32; max_query_len and
+    max_seq_len: Python ints. prepared: what the kernel backend derives from these once per step
+    (`KernelBackend.prepare_metadata`: host-side splits, gather indices, masks, rotary tables), passed
+    back to its kernels by every layer, as vLLM's attention-metadata builders do; None makes each kernel
+    call derive what it needs itself.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    prepared: Any = None
+
+
 class KernelBackend(Protocol):
     """What every backend module provides; `conveyor.kernels.reference` documents shapes and dtypes."""
+
+    def prepare_metadata(
+        self,
+        meta: AttentionMetadata,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        block_size: int,
+        num_kv_heads: int,
+    ) -> Any: ...
 
     def reshape_and_cache(
         self,
@@ -52,6 +89,7 @@ class KernelBackend(Protocol):
         scale: float,
         max_query_len: int,
         max_seq_len: int,
+        prepared: Any = None,
     ) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -61,7 +99,12 @@ class KernelBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def rotary_embedding(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        prepared: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...

@@ -26,11 +26,13 @@ import subprocess
 import sysconfig
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from conveyor.kernels import AttentionMetadata
 from conveyor.kernels.onednn import replace_linear_layers
 from conveyor.kernels.reference import prefill_attention
 
@@ -141,6 +143,41 @@ def reshape_and_cache(
     torch.ops.conveyor_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
+@dataclass(frozen=True)
+class MixedStep:
+    """The host-side split of a step with prefill rows (`prepare_metadata`), the same for every layer.
+
+    decode: `[D]` int64 indices of the sequences with one query row; decode_starts: `[D]` int32 their
+    query rows. q_lens, starts, seq_lens: per sequence, Python ints (for `prefill_attention`).
+    """
+
+    decode: torch.Tensor
+    decode_starts: torch.Tensor
+    q_lens: list[int]
+    starts: list[int]
+    seq_lens: list[int]
+
+
+def prepare_metadata(
+    meta: AttentionMetadata,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_size: int,
+    num_kv_heads: int,
+) -> MixedStep | None:
+    """See `conveyor.kernels.reference.prepare_metadata`. A step of decodes only needs nothing (None):
+    the C++ kernels read the metadata tensors directly; a step with prefill rows gets its `MixedStep`
+    (the one host sync of the step)."""
+    return None if meta.max_query_len == 1 else _mixed_step(meta.query_start_loc, meta.seq_lens)
+
+
+def _mixed_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> MixedStep:
+    starts = query_start_loc[:-1]
+    q_lens = query_start_loc[1:] - starts
+    decode = (q_lens == 1).nonzero().flatten()
+    return MixedStep(decode, starts[decode], q_lens.tolist(), starts.tolist(), seq_lens.tolist())
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -151,6 +188,7 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    prepared: MixedStep | None = None,
 ) -> torch.Tensor:
     """See `conveyor.kernels.reference.paged_attention`: same arguments, layouts and result.
 
@@ -162,23 +200,13 @@ def paged_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, None, None, scale
         )
         return out
-    starts = query_start_loc[:-1]
-    q_lens = query_start_loc[1:] - starts
-    decode = (q_lens == 1).nonzero().flatten()
-    if decode.numel():
+    step = prepared if prepared is not None else _mixed_step(query_start_loc, seq_lens)
+    if step.decode.numel():
         torch.ops.conveyor_cpu.paged_decode_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens, decode, starts[decode], scale
+            out, query, key_cache, value_cache, block_tables, seq_lens, step.decode, step.decode_starts, scale
         )
     prefill_attention(
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        q_lens.tolist(),
-        starts.tolist(),
-        seq_lens.tolist(),
-        scale,
+        out, query, key_cache, value_cache, block_tables, step.q_lens, step.starts, step.seq_lens, scale
     )
     return out
 
@@ -200,9 +228,10 @@ def rotary_embedding(
     query: torch.Tensor,
     key: torch.Tensor,
     cos_sin_cache: torch.Tensor,
+    prepared: MixedStep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `conveyor.kernels.reference.rotary_embedding`. Raises RuntimeError for a position outside
-    the table."""
+    """See `conveyor.kernels.reference.rotary_embedding` (`prepared` is not needed: the kernel indexes
+    the table itself). Raises RuntimeError for a position outside the table."""
     return torch.ops.conveyor_cpu.rotary_embedding(positions, query, key, cos_sin_cache)
 
 
@@ -318,7 +347,7 @@ class DecoderLayers:
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
         """hidden: `[num_tokens, hidden_size]` embedded tokens -> the final norm's output, same shape and
-        dtype. Metadata as `conveyor.server.model.models.llama.AttentionMetadata`."""
+        dtype. Metadata as `conveyor.kernels.AttentionMetadata`."""
         return torch.ops.conveyor_decoder.decoder_layers(
             hidden,
             positions,

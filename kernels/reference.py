@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.kernels import AttentionMetadata
 
 
 def reshape_and_cache(
@@ -56,7 +57,7 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int
 
 
 @dataclass(frozen=True)
-class _StepLayout:
+class AttentionLayout:
     """What `paged_attention` derives from a step's metadata, the same for every layer of the step.
 
     q_lens, starts, seq_lens: per sequence, as Python ints. decode: the sequences with one query row.
@@ -73,14 +74,16 @@ class _StepLayout:
     ctx: int
 
 
-def _step_layout(
+def attention_layout(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
     num_kv_heads: int,
-) -> _StepLayout:
-    """Padding positions of the decode rows repeat the sequence's last token instead of reading slots
+) -> AttentionLayout:
+    """The step's `AttentionLayout` (metadata as in `paged_attention`; one host sync).
+
+    Padding positions of the decode rows repeat the sequence's last token instead of reading slots
     nobody wrote (fresh cache memory may hold NaN, and a masked NaN still poisons the softmax: NaN - inf
     is NaN, 0 * NaN is NaN), so the gathered batch needs no cleaning pass."""
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
@@ -88,7 +91,7 @@ def _step_layout(
     lens = seq_lens.tolist()
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if not decode:
-        return _StepLayout(q_lens, starts, lens, decode, None, None, 0)
+        return AttentionLayout(q_lens, starts, lens, decode, None, None, 0)
     all_decode = len(decode) == len(lens)
     tables = block_tables if all_decode else block_tables[decode]
     dlens = (seq_lens if all_decode else seq_lens[decode]).long()
@@ -101,41 +104,43 @@ def _step_layout(
     slots = tables.long().gather(1, pos // block_size) * block_size + pos % block_size  # [D, ctx]
     heads = torch.arange(num_kv_heads, device=device)
     rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
-    return _StepLayout(q_lens, starts, lens, decode, rows, bias, ctx)
+    return AttentionLayout(q_lens, starts, lens, decode, rows, bias, ctx)
 
 
-class _StepMemo:
-    """The last value of `build(*tensors, *sizes)`, reused while the same tensor objects come back.
+@dataclass(frozen=True)
+class PreparedStep:
+    """What the torch kernels derive from one step's metadata (`prepare_metadata`), shared by every layer.
 
-    The model calls each kernel once per layer with the same per-step metadata objects (`block_tables`,
-    `query_start_loc`, `seq_lens`, `positions`), so what is derived from them (host syncs, gather
-    indices, masks, rotary tables) is built once per step, as vLLM's attention-metadata builders do.
-    Holding the key tensors keeps their ids from being reused, and their version counters make an
-    in-place change of a key tensor a miss. Inference-mode tensors have no version counter: for them
-    identity alone decides (the model runner builds fresh metadata tensors every step).
+    attention: the step's `AttentionLayout`. rope_cos, rope_sin: `[num_tokens, 1, head_dim / 2]` float32,
+    the rotary table's rows at the step's positions.
     """
 
-    def __init__(self, build) -> None:
-        self._build = build
-        self._entry: tuple[tuple, tuple, Any] | None = None
-
-    def get(self, tensors: tuple[torch.Tensor, ...], sizes: tuple = ()) -> Any:
-        stamp = (tuple(-1 if t.is_inference() else t._version for t in tensors), sizes)
-        entry = self._entry  # one read: safe when engines in several threads share the memo
-        if entry is not None:
-            old_tensors, old_stamp, value = entry
-            if old_stamp == stamp and all(a is b for a, b in zip(old_tensors, tensors, strict=True)):
-                return value
-        value = self._build(*tensors, *sizes)
-        self._entry = (tensors, stamp, value)
-        return value
+    attention: AttentionLayout
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
 
-_STEP_MEMO = _StepMemo(_step_layout)
+def prepare_metadata(
+    meta: AttentionMetadata,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_size: int,
+    num_kv_heads: int,
+) -> PreparedStep:
+    """Everything `paged_attention` and `rotary_embedding` derive from a step's metadata, built once per
+    step by the model runner (host syncs, gather indices, masks, rotary rows) instead of once per layer.
+
+    meta: the step's AttentionMetadata; positions: `[num_tokens]` int64; cos_sin_cache: the model's
+    rotary table (`rope_cos_sin_cache`); block_size, num_kv_heads: of this rank's KV cache.
+    """
+    layout = attention_layout(
+        meta.block_tables, meta.query_start_loc, meta.seq_lens, block_size, num_kv_heads
+    )
+    return PreparedStep(layout, *_rope_tables(positions, cos_sin_cache))
 
 
 def _decode_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: _StepLayout, scale: float
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: AttentionLayout, scale: float
 ) -> torch.Tensor:
     """Attention of one query token per decode sequence over its paged K/V.
 
@@ -172,6 +177,7 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    prepared: PreparedStep | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged K/V, with grouped-query attention.
 
@@ -179,6 +185,7 @@ def paged_attention(
     block_tables: `[num_seqs, max_blocks_per_seq]` int32. query_start_loc: `[num_seqs + 1]` int32.
     seq_lens: `[num_seqs]` int32, context length including this step's tokens.
     max_query_len, max_seq_len: Python ints, the maxima of the per-sequence query and context lengths.
+    prepared: this step's `prepare_metadata` (None: derived here, for this call only).
     Returns `[num_tokens, num_heads, head_dim]` in the query's dtype.
 
     Query row `i` of sequence `b` sits at absolute position `seq_lens[b] - q_len + i` and attends to
@@ -189,7 +196,10 @@ def paged_attention(
     num_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     groups = num_heads // num_kv_heads
-    layout = _STEP_MEMO.get((block_tables, query_start_loc, seq_lens), (block_size, num_kv_heads))
+    if prepared is None:
+        layout = attention_layout(block_tables, query_start_loc, seq_lens, block_size, num_kv_heads)
+    else:
+        layout = prepared.attention
     q_lens, starts, lens, decode = layout.q_lens, layout.starts, layout.seq_lens, layout.decode
     out = torch.empty_like(query)
 
@@ -308,23 +318,25 @@ def _rope_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[
     return cos[:, None, :], sin[:, None, :]
 
 
-_ROPE_MEMO = _StepMemo(_rope_tables)
-
-
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     cos_sin_cache: torch.Tensor,
+    prepared: PreparedStep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply rotary position embedding (Su et al. 2021) in the GPT-NeoX layout Llama uses: the first and
     second halves of each head are the rotated pairs.
 
     positions: `[num_tokens]` int64. query: `[num_tokens, num_heads, head_dim]`;
     key: `[num_tokens, num_kv_heads, head_dim]`. cos_sin_cache: `[max_position, head_dim]` float32
-    (see `rope_cos_sin_cache`). Returns rotated (query, key) in their dtypes.
+    (see `rope_cos_sin_cache`). prepared: this step's `prepare_metadata`, whose rotary rows are used
+    (None: looked up here). Returns rotated (query, key) in their dtypes.
     """
-    cos, sin = _ROPE_MEMO.get((positions, cos_sin_cache))
+    if prepared is None:
+        cos, sin = _rope_tables(positions, cos_sin_cache)
+    else:
+        cos, sin = prepared.rope_cos, prepared.rope_sin
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)

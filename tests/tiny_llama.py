@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.kernels import KernelBackend
+from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels import reference as ref
-from conveyor.server.model.models.llama import AttentionMetadata, LlamaForCausalLM, ModelShape
+from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
 
 NUM_KV_HEADS, HEAD_DIM = 2, 16
 

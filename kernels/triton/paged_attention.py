@@ -528,12 +528,14 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    prepared: None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged K/V, with grouped-query attention.
 
     query: `[num_tokens, num_heads, head_dim]` (float32, float16 or bfloat16); key_cache, value_cache:
     `[num_blocks, block_size, num_kv_heads, head_dim]`, same dtype; block_tables: `[num_seqs, max_blocks]`
-    int32; query_start_loc: `[num_seqs + 1]` int32; seq_lens: `[num_seqs]` int32.
+    int32; query_start_loc: `[num_seqs + 1]` int32; seq_lens: `[num_seqs]` int32. prepared: unused (the
+    kernels read the metadata on the device; `prepare_metadata` gives None).
     Returns `[num_tokens, num_heads, head_dim]` in the query's dtype. See the reference for semantics.
     Raises ValueError when num_heads is not a multiple of num_kv_heads or head_dim is strided.
     """

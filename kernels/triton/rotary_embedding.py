@@ -112,12 +112,14 @@ def rotary_embedding(
     query: torch.Tensor,
     key: torch.Tensor,
     cos_sin_cache: torch.Tensor,
+    prepared: None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply rotary position embedding (Su et al. 2021) to query and key; inputs are not modified.
 
     positions: `[num_tokens]` integer. query: `[num_tokens, num_heads, head_dim]`; key:
     `[num_tokens, num_kv_heads, head_dim]` (head_dim contiguous). cos_sin_cache: `[max_position,
-    head_dim]`, cos in the first half, sin in the second (`rope_cos_sin_cache`).
+    head_dim]`, cos in the first half, sin in the second (`rope_cos_sin_cache`). prepared: unused (the
+    kernel indexes the table itself).
     Returns rotated (query, key), contiguous, in their dtypes.
     """
     head_dim = query.shape[-1]

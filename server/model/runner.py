@@ -9,6 +9,7 @@ runs the model on it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,9 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from conveyor.kernels import KernelBackend
+from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.server.engine.scheduler import SchedulerOutput
-from conveyor.server.model.models.llama import AttentionMetadata, LlamaForCausalLM
+from conveyor.server.model.models.llama import LlamaForCausalLM
 from conveyor.server.model.sampler import SamplerOutput, sample
 
 if TYPE_CHECKING:
@@ -129,9 +130,11 @@ class ModelRunner:
     def forward(self, inputs: ModelInput) -> torch.Tensor | None:
         """The model over `inputs`, writing their K/V into the cache. Returns float32 logits `[num_rows,
         vocab_size]` on the CPU for `inputs.logits_rows` (None when there are none, and on ranks other
-        than 0)."""
+        than 0). The step's attention metadata is prepared for the kernel backend here, once
+        (`KernelBackend.prepare_metadata`), and every layer reads it."""
         dev = self.device
         meta = inputs.meta
+        positions = inputs.positions.to(dev)
         if dev.type != "cpu":
             meta = AttentionMetadata(
                 slot_mapping=meta.slot_mapping.to(dev),
@@ -141,7 +144,12 @@ class ModelRunner:
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
             )
-        hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches, meta)
+        # Once per step, for every layer: what the kernels derive from the metadata (this rank's heads).
+        prepared = self.ops.prepare_metadata(
+            meta, positions, self.model.cos_sin_cache, self.block_size, self.model.partition.num_kv_heads
+        )
+        meta = dataclasses.replace(meta, prepared=prepared)
+        hidden = self.model(inputs.input_ids.to(dev), positions, self.kv_caches, meta)
         if not len(inputs.logits_rows):
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_rows.to(dev)])

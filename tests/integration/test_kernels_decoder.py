@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.kernels import cpu, onednn
-from conveyor.server.model.models.llama import AttentionMetadata, LlamaForCausalLM
+from conveyor.kernels import AttentionMetadata, cpu, onednn
+from conveyor.server.model.models.llama import LlamaForCausalLM
 from tests.tiny_llama import HEAD_DIM, NUM_KV_HEADS, tiny_llama
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16

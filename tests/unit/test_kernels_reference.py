@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels import AttentionMetadata
 from conveyor.kernels import reference as ref
 
 # (num_heads, num_kv_heads, head_dim, block_size)
@@ -104,35 +105,45 @@ def test_paged_attention_decode_ignores_nan_in_unwritten_slots():
     torch.testing.assert_close(out[:1], _sdpa_truth(query[:1], k, v, 0.125))
 
 
-def test_paged_attention_reuses_step_metadata_across_layers_and_sees_in_place_edits():
-    """The per-step layout is built once for the step's metadata objects and reused by every layer (each
-    layer has its own caches); editing a metadata tensor in place must not reuse the stale layout."""
+def test_prepared_metadata_serves_every_layer_and_matches_deriving_it_per_call():
+    """`prepare_metadata` derives the step's layout and rotary rows once; every layer (each with its own
+    caches) gets the same attention and rotation from it as from deriving them in the call."""
     g = torch.Generator().manual_seed(2)
     caches = [
         (torch.randn(4, 16, 2, 64, generator=g), torch.randn(4, 16, 2, 64, generator=g)) for _ in range(2)
     ]
-    block_tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    query_start_loc = torch.tensor([0, 1, 2], dtype=torch.int32)
-    seq_lens = torch.tensor([30, 17], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([29, 48]),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([30, 17], dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=30,
+    )
+    positions = torch.tensor([29, 16])
+    table = ref.rope_cos_sin_cache(64, 64, 10000.0)
+    prepared = ref.prepare_metadata(meta, positions, table, 16, 2)
+    assert prepared.attention.decode == [0, 1] and prepared.attention.seq_lens == [30, 17]
     query = torch.randn(2, 4, 64, generator=g)
+    key = torch.randn(2, 2, 64, generator=g)
 
-    def truth(key_cache, value_cache, lens):
+    def truth(key_cache, value_cache):
         rows = []
-        for b, seq_len in enumerate(lens):
-            table = block_tables[b].long()
-            k = key_cache[table].reshape(-1, 2, 64)[:seq_len]
-            v = value_cache[table].reshape(-1, 2, 64)[:seq_len]
+        for b, seq_len in enumerate([30, 17]):
+            blocks = meta.block_tables[b].long()
+            k = key_cache[blocks].reshape(-1, 2, 64)[:seq_len]
+            v = value_cache[blocks].reshape(-1, 2, 64)[:seq_len]
             rows.append(_sdpa_truth(query[b : b + 1], k, v, 0.125))
         return torch.cat(rows)
 
-    for key_cache, value_cache in caches:  # two "layers", same metadata objects
-        out = ref.paged_attention(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, 0.125, 1, 30
-        )
-        torch.testing.assert_close(out, truth(key_cache, value_cache, [30, 17]))
-    seq_lens[0] = 9  # the same object, edited in place
-    out = ref.paged_attention(query, *caches[0], block_tables, query_start_loc, seq_lens, 0.125, 1, 17)
-    torch.testing.assert_close(out, truth(*caches[0], [9, 17]))
+    args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125, 1, 30)
+    for key_cache, value_cache in caches:  # two "layers", one prepared step
+        out = ref.paged_attention(query, key_cache, value_cache, *args, prepared)
+        torch.testing.assert_close(out, truth(key_cache, value_cache))
+        torch.testing.assert_close(out, ref.paged_attention(query, key_cache, value_cache, *args))
+        rotated = ref.rotary_embedding(positions, query, key, table, prepared)
+        for got, want in zip(rotated, ref.rotary_embedding(positions, query, key, table), strict=True):
+            torch.testing.assert_close(got, want)
 
 
 def test_reshape_and_cache_writes_only_mapped_slots():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from conveyor.kernels import KernelBackend
+from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels.reference import rope_cos_sin_cache
 from conveyor.server.model.parallel import Partition, TensorParallel, partition
 
@@ -65,22 +65,6 @@ class ModelShape:
         )
 
 
-@dataclass
-class AttentionMetadata:
-    """Where the step's tokens sit in the paged KV cache (see `conveyor.kernels.reference`).
-
-    slot_mapping: `[num_tokens]` int64; block_tables: `[num_seqs, max_blocks]` int32;
-    query_start_loc: `[num_seqs + 1]` int32; seq_lens: `[num_seqs]` int32.
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, ops: KernelBackend) -> None:
         super().__init__()
@@ -128,7 +112,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache, meta.prepared)
         key_cache, value_cache = kv_cache
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
@@ -141,6 +125,7 @@ class LlamaAttention(nn.Module):
             self.scale,
             meta.max_query_len,
             meta.max_seq_len,
+            meta.prepared,
         )
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
