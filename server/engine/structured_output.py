@@ -3,9 +3,9 @@
 A request's `StructuredOutputParams` (a JSON schema, any JSON object, a regex, a choice of strings, or
 an EBNF grammar) is compiled once per distinct spec by xgrammar's `GrammarCompiler`, whose cache makes
 the second compile of the same spec a lookup. Each constrained request gets its own `GrammarMatcher`
-(its position in the grammar); every step the sampler fills one row of a token bitmask per
-constrained row and masks the logits (`apply_grammar_bitmask`), and the engine advances the matcher
-with the sampled token. Unconstrained rows are never touched. This is vLLM's and SGLang's design
+(its position in the grammar); every step the model runner fills one row of a token bitmask per
+constrained row (`grammar_bitmask`, part of the step's sampling inputs), the sampler masks the logits
+with it (`apply_grammar_bitmask`), and the engine advances the matcher with the sampled token. Unconstrained rows are never touched. This is vLLM's and SGLang's design
 (xgrammar: Dong et al. 2024, arXiv:2411.15100).
 
 JSON is generated compact (`any_whitespace=False`: no free whitespace between tokens), so a small
@@ -198,17 +198,21 @@ class StructuredOutputManager:
         return xgr.GrammarMatcher(self.compile(params))
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
-    """In place: tokens a row's grammar does not allow next get -inf; rows without a matcher (None)
-    are untouched.
-
-    logits: `[num_rows, vocab_size]` float32 on the CPU; matchers[i] belongs to row i.
-    """
-    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
-    if not rows:
-        return
-    # Rows of the bitmask line up with rows of the logits; only the constrained rows are filled.
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+def grammar_bitmask(
+    matchers: list[xgr.GrammarMatcher | None], rows: list[int], vocab_size: int
+) -> torch.Tensor:
+    """The tokens each constrained row's grammar allows next: xgrammar's `[len(matchers),
+    ceil(vocab_size / 32)]` int32 bitmask, with `rows` (rows whose matcher is not None) filled and the
+    others left as allocated (all allowed). matchers[i] belongs to logits row i."""
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
     for row in rows:
         matchers[row].fill_next_token_bitmask(bitmask, row)
+    return bitmask
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: in each of `rows`, tokens its grammar does not allow next (`grammar_bitmask`) get -inf.
+
+    logits: `[num_rows, vocab_size]` float32 on the CPU; bitmask rows line up with logits rows.
+    """
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)

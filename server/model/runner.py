@@ -4,7 +4,8 @@ No policy here: the scheduler decided who runs and how many tokens each computes
 KV cache tensors (one key and one value tensor per layer, `[num_blocks, block_size, num_kv_heads,
 head_dim]`) and builds, without padding, the step's token ids, positions, slot mapping, block tables
 and query/sequence lengths (`ModelInput`); under tensor parallelism rank 0 builds it once and every rank
-runs the model on it.
+runs the model on it. Each step it has the kernel backend prepare the attention metadata once for all
+layers, and builds the sampling inputs of the rows that sample as tensors (`SamplingMetadata`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.server.engine.scheduler import SchedulerOutput
 from conveyor.server.model.models.llama import LlamaForCausalLM
 from conveyor.server.model.sampler import SamplerOutput, sample
+from conveyor.server.model.sampling_metadata import SamplingMetadata
 
 if TYPE_CHECKING:
     from conveyor.server.model.worker import Workers
@@ -158,7 +160,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput) -> tuple[list[str], SamplerOutput]:
         """Run one step (on every rank). Returns the ids of the requests that sampled a token, and the
-        samples in that order (requests mid-way through a chunked prefill compute K/V only)."""
+        samples in that order (requests mid-way through a chunked prefill compute K/V only). The
+        sampling inputs are built here as tensors (`SamplingMetadata`) for the sampler."""
         inputs = self.prepare_inputs(schedule)
         if self.workers is not None:
             self.workers.tell("forward", inputs)
@@ -166,7 +169,8 @@ class ModelRunner:
         if logits is None:
             return [], SamplerOutput([], [])
         requests = [s.request for s in schedule.scheduled if s.samples]
-        return [r.request_id for r in requests], sample(logits, requests)
+        sampling = SamplingMetadata.from_requests(requests, vocab_size=logits.shape[1])
+        return [r.request_id for r in requests], sample(logits, sampling)
 
     @torch.inference_mode()
     def profile(self, num_tokens: int) -> None:

@@ -7,7 +7,8 @@ import math
 import torch
 
 from conveyor.server.engine.request import Request, SamplingParams
-from conveyor.server.model.sampler import sample
+from conveyor.server.model import sampler
+from conveyor.server.model.sampling_metadata import SamplingMetadata
 
 
 def req(rid="r", output=(), prompt=(1, 2), eos=None, **params) -> Request:
@@ -15,6 +16,11 @@ def req(rid="r", output=(), prompt=(1, 2), eos=None, **params) -> Request:
     for t in output:
         r.append_output_token(t)
     return r
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> sampler.SamplerOutput:
+    """The runner's path: the requests' sampling inputs as tensors, then the sampler."""
+    return sampler.sample(logits, SamplingMetadata.from_requests(requests, logits.shape[1]))
 
 
 def test_greedy_is_argmax():
@@ -102,3 +108,44 @@ def test_logit_bias_is_added_before_everything_and_logprobs_see_it():
         logits[:1], [req(temperature=0, prompt=(0,), output=[2], logit_bias={2: 2.5}, repetition_penalty=2.0)]
     )
     assert out.token_ids == [1]  # (1 + 2.5) / 2 = 1.75 < 3
+
+
+def test_plain_greedy_step_builds_no_sampling_tensors():
+    metadata = SamplingMetadata.from_requests([req("a", temperature=0), req("b", temperature=0)], 50)
+    parts = (
+        metadata.grammar_bitmask,
+        metadata.logit_bias,
+        metadata.penalties,
+        metadata.banned,
+        metadata.random,
+    )
+    assert parts == (None,) * 5 and metadata.logprobs == [None, None]
+
+
+def test_penalties_and_bans_touch_only_their_own_rows():
+    logits = torch.tensor([[2.0, 2.0, -1.0, 1.9]]).repeat(4, 1)
+    rows = [
+        req("plain", output=[0, 0], temperature=0),
+        req("freq", output=[0, 0], temperature=0, frequency_penalty=0.1, presence_penalty=0.5),
+        req("rep", prompt=[1], output=[0], temperature=0, repetition_penalty=2.0),
+        req("stop", eos=3, output=[2], temperature=0, min_tokens=3, stop_token_ids=[0, 1]),
+    ]
+    metadata = SamplingMetadata.from_requests(rows, 4)
+    assert metadata.penalties.rows.tolist() == [1, 2]
+    assert metadata.penalties.output_counts[0].tolist() == [2.0, 0.0, 0.0, 0.0]
+    assert metadata.banned[0].tolist() == [3, 3, 3] and sorted(metadata.banned[1].tolist()) == [0, 1, 3]
+    assert sampler.sample(logits, metadata).token_ids == [0, 1, 3, 2]
+
+
+def test_seeded_and_unseeded_random_rows_in_one_batch():
+    """Each seeded row draws from its own generator whatever its neighbours are; rows with top_k and
+    rows without it share one truncation pass."""
+    logits = torch.randn(1, 100)
+    alone = sample(logits, [req(temperature=0.7, top_k=5, seed=3)]).token_ids[0]
+    batch = torch.cat([torch.randn(2, 100), logits])
+    rows = [req("a", temperature=1.0), req("b", temperature=0), req("c", temperature=0.7, top_k=5, seed=3)]
+    metadata = SamplingMetadata.from_requests(rows, 100)
+    assert metadata.random.row_list == [0, 2] and list(metadata.random.generators) == [1]
+    assert metadata.random.top_k.tolist() == [100, 5]
+    out = sampler.sample(batch, metadata).token_ids
+    assert out[2] == alone and out[1] == int(batch[1].argmax())
