@@ -146,11 +146,12 @@ class ModelRunner:
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
             )
-        # Once per step, for every layer: what the kernels derive from the metadata (this rank's heads).
-        prepared = self.ops.prepare_metadata(
-            meta, positions, self.model.cos_sin_cache, self.block_size, self.model.partition.num_kv_heads
-        )
-        meta = dataclasses.replace(meta, prepared=prepared)
+        if self.model.layer_loop is None:  # a fused layer loop reads the metadata tensors itself
+            # Once per step, for every layer: what the kernels derive from the metadata (this rank's heads).
+            prepared = self.ops.prepare_metadata(
+                meta, positions, self.model.cos_sin_cache, self.block_size, self.model.partition.num_kv_heads
+            )
+            meta = dataclasses.replace(meta, prepared=prepared)
         hidden = self.model(inputs.input_ids.to(dev), positions, self.kv_caches, meta)
         if not len(inputs.logits_rows):
             return None

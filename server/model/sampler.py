@@ -33,10 +33,12 @@ def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
     divides positive and multiplies negative logits of seen tokens; presence and frequency penalties
     subtract `presence * (count > 0) + frequency * count` (OpenAI's formula)."""
     sub = logits[penalties.rows]
-    rep = penalties.repetition
-    sub = torch.where(penalties.seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    counts = penalties.output_counts
-    sub -= penalties.frequency * counts + penalties.presence * (counts > 0)
+    if penalties.repetition is not None:
+        rep = penalties.repetition
+        sub = torch.where(penalties.seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if penalties.output_counts is not None:
+        counts = penalties.output_counts
+        sub -= penalties.frequency * counts + penalties.presence * (counts > 0)
     logits[penalties.rows] = sub
 
 
@@ -104,9 +106,9 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     random = metadata.random
     if random is not None:
         probs = _truncate(logits[random.rows], random)
-        q = torch.empty_like(probs).exponential_()
-        for j, generator in random.generators.items():
-            q[j].exponential_(generator=generator)
+        q = torch.empty_like(probs)
+        for j in range(len(random.row_list)):
+            q[j].exponential_(generator=random.generators.get(j))
         token_ids[random.rows] = (probs / q).argmax(dim=-1)
 
     ids = token_ids.tolist()

@@ -23,17 +23,18 @@ class Penalties:
     """Repetition, presence and frequency penalties of the rows that have one (vLLM's order and formulas:
     CTRL's repetition penalty on prompt and output tokens, OpenAI's presence/frequency on output tokens).
 
-    rows: `[P]` int64 logits rows. repetition: `[P, 1]` float32 (1 = off); presence, frequency: `[P, 1]`
-    float32 (0 = off). seen: `[P, vocab_size]` bool, tokens in the row's prompt or output.
-    output_counts: `[P, vocab_size]` float32, how often each token is in the row's output.
+    rows: `[P]` int64 logits rows. repetition: `[P, 1]` float32 (1 = off); seen: `[P, vocab_size]` bool,
+    tokens in the row's prompt or output; both None when no row has a repetition penalty. presence,
+    frequency: `[P, 1]` float32 (0 = off); output_counts: `[P, vocab_size]` float32, how often each token
+    is in the row's output; all three None when no row has a presence or frequency penalty.
     """
 
     rows: torch.Tensor
-    repetition: torch.Tensor
-    presence: torch.Tensor
-    frequency: torch.Tensor
-    seen: torch.Tensor
-    output_counts: torch.Tensor
+    repetition: torch.Tensor | None
+    seen: torch.Tensor | None
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    output_counts: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Truncation:
     rows: `[R]` int64 logits rows, also as the Python list `row_list`. temperature: `[R, 1]` float32 (> 0).
     min_p: `[R, 1]` float32, or None when no row uses it. top_k: `[R]` int64 (vocab_size where off) and
     top_p: `[R, 1]` float32 (1 where off), both None when no row uses either. generators: position in
-    `rows` -> the request's own generator (seeded rows), so their draws do not depend on the batch.
+    `rows` -> the request's generator (a seeded request's own, so its draws do not depend on the batch;
+    the engine gives the others its shared one); rows without one draw from torch's default generator.
     """
 
     rows: torch.Tensor
@@ -79,8 +81,9 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int) -> SamplingMetadata:
-        """The step's sampling inputs; requests[i] owns logits row i; token ids are in [0, vocab_size)
-        (the API validated logit_bias and stop token ids; ids at or past vocab_size are left out)."""
+        """The step's sampling inputs; requests[i] owns logits row i. logit_bias token ids must be in
+        [0, vocab_size) (the API validates them); stop and EOS ids outside it are left out of the bans,
+        and output ids outside it out of the penalties."""
         grammar_rows = [
             i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated()
         ]
@@ -142,19 +145,17 @@ def _penalties(requests: list[Request], vocab_size: int) -> Penalties | None:
         counts = torch.bincount(flat_rows * vocab_size + flat_ids, minlength=len(token_lists) * vocab_size)
         return counts.view(len(token_lists), vocab_size)
 
-    wants_seen = any(p.repetition_penalty != 1.0 for p in params)
-    seen = (
-        per_row_counts([requests[i].all_token_ids for i in rows]) > 0
-        if wants_seen
-        else torch.zeros(len(rows), vocab_size, dtype=torch.bool)
-    )
+    repetition = any(p.repetition_penalty != 1.0 for p in params)
+    additive = any(p.presence_penalty or p.frequency_penalty for p in params)
     return Penalties(
         rows=torch.tensor(rows, dtype=torch.long),
-        repetition=column([p.repetition_penalty for p in params]),
-        presence=column([p.presence_penalty for p in params]),
-        frequency=column([p.frequency_penalty for p in params]),
-        seen=seen,
-        output_counts=per_row_counts([requests[i].output_token_ids for i in rows]).float(),
+        repetition=column([p.repetition_penalty for p in params]) if repetition else None,
+        seen=per_row_counts([requests[i].all_token_ids for i in rows]) > 0 if repetition else None,
+        presence=column([p.presence_penalty for p in params]) if additive else None,
+        frequency=column([p.frequency_penalty for p in params]) if additive else None,
+        output_counts=(
+            per_row_counts([requests[i].output_token_ids for i in rows]).float() if additive else None
+        ),
     )
 
 

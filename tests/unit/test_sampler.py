@@ -133,6 +133,7 @@ def test_penalties_and_bans_touch_only_their_own_rows():
     metadata = SamplingMetadata.from_requests(rows, 4)
     assert metadata.penalties.rows.tolist() == [1, 2]
     assert metadata.penalties.output_counts[0].tolist() == [2.0, 0.0, 0.0, 0.0]
+    assert metadata.penalties.seen[1].tolist() == [True, True, False, False]
     assert metadata.banned[0].tolist() == [3, 3, 3] and sorted(metadata.banned[1].tolist()) == [0, 1, 3]
     assert sampler.sample(logits, metadata).token_ids == [0, 1, 3, 2]
 
