@@ -5,7 +5,8 @@
 
 One `LLMEngine` on the embedded model serves the requests of a `make bench` workload file (the main
 workload of the newest results folder by default: token-id prompts, exact output lengths) with every
-request added at once, as the offline benchmark does, after a warm-up batch. Each step's wall time is
+request added at once, as the offline benchmark does, after a warm-up batch (the first requests' prompts
+reversed, so nothing of the measured prompts is in the prefix cache). Each step's wall time is
 split two ways:
 
 - by stage, timed around the engine's own calls (`time.perf_counter`): schedule, prepare_inputs (the
@@ -28,6 +29,7 @@ same numbers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -235,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     try:
-        warmup = samples[: min(len(samples), args.max_num_seqs)]
+        # Warm-up prompts reversed: the same lengths, but no prefix the measured requests could find in the
+        # prefix cache (which would skip their prefill and overstate the rate).
+        warmup = [
+            dataclasses.replace(s, prompt=s.prompt[::-1])
+            for s in samples[: min(len(samples), args.max_num_seqs)]
+        ]
         freeze_startup_heap()  # as the server does when its engine starts
         report = profile_engine(engine, samples, warmup)
     finally:
