@@ -19,10 +19,18 @@ import numpy as np
 import torch
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
+from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import SchedulerOutput
+from conveyor.server.engine.structured_output import grammar_bitmask
 from conveyor.server.model.models.llama import LlamaForCausalLM
-from conveyor.server.model.sampler import SamplerOutput, sample
-from conveyor.server.model.sampling_metadata import SamplingMetadata
+from conveyor.server.model.sampler import (
+    MAX_LOGPROBS,
+    Penalties,
+    SamplerOutput,
+    SamplingMetadata,
+    Truncation,
+    sample,
+)
 
 if TYPE_CHECKING:
     from conveyor.server.model.worker import Workers
@@ -162,7 +170,7 @@ class ModelRunner:
     def execute(self, schedule: SchedulerOutput) -> tuple[list[str], SamplerOutput]:
         """Run one step (on every rank). Returns the ids of the requests that sampled a token, and the
         samples in that order (requests mid-way through a chunked prefill compute K/V only). The
-        sampling inputs are built here as tensors (`SamplingMetadata`) for the sampler."""
+        sampling inputs are built here as tensors (`build_sampling_metadata`) for the sampler."""
         inputs = self.prepare_inputs(schedule)
         if self.workers is not None:
             self.workers.tell("forward", inputs)
@@ -170,7 +178,7 @@ class ModelRunner:
         if logits is None:
             return [], SamplerOutput([], [])
         requests = [s.request for s in schedule.scheduled if s.samples]
-        sampling = SamplingMetadata.from_requests(requests, vocab_size=logits.shape[1])
+        sampling = build_sampling_metadata(requests, vocab_size=logits.shape[1])
         return [r.request_id for r in requests], sample(logits, sampling)
 
     @torch.inference_mode()
@@ -194,3 +202,122 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.tell("forward", inputs)
         self.forward(inputs)
+
+
+def build_sampling_metadata(requests: list[Request], vocab_size: int) -> SamplingMetadata:
+    """The sampling inputs of a step's sampling rows as tensors (vLLM v1's `SamplingMetadata`, which its
+    runner's input batch builds): requests[i] owns logits row i. logit_bias token ids must be in
+    [0, vocab_size) (the API validates them); stop and EOS ids outside it are left out of the bans, and
+    output ids outside it out of the penalties. Parts no row uses are None, so a step of plain greedy
+    rows builds none of them."""
+    grammar_rows = [
+        i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated()
+    ]
+    bitmask = (
+        grammar_bitmask([r.grammar for r in requests], grammar_rows, vocab_size) if grammar_rows else None
+    )
+    return SamplingMetadata(
+        num_rows=len(requests),
+        grammar_rows=grammar_rows,
+        grammar_bitmask=bitmask,
+        logit_bias=_logit_bias(requests),
+        penalties=_penalties(requests, vocab_size),
+        banned=_banned(requests, vocab_size),
+        random=_truncation(requests, vocab_size),
+        logprobs=[
+            None if r.sampling_params.logprobs is None else min(r.sampling_params.logprobs, MAX_LOGPROBS)
+            for r in requests
+        ],
+    )
+
+
+def _flat(pairs: list[tuple[int, list[int]]], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(row, token ids)] -> (rows, token ids) as flat int64 tensors, ids outside the vocabulary dropped."""
+    rows = [row for row, ids in pairs for t in ids if 0 <= t < vocab_size]
+    ids = [t for _, ids in pairs for t in ids if 0 <= t < vocab_size]
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(ids, dtype=torch.long)
+
+
+def _logit_bias(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    biased = [
+        (row, r.sampling_params.logit_bias) for row, r in enumerate(requests) if r.sampling_params.logit_bias
+    ]
+    if not biased:
+        return None
+    rows = torch.tensor([row for row, bias in biased for _ in bias], dtype=torch.long)
+    ids = torch.tensor([t for _, bias in biased for t in bias], dtype=torch.long)
+    values = torch.tensor([v for _, bias in biased for v in bias.values()], dtype=torch.float32)
+    return rows, ids, values
+
+
+def _penalties(requests: list[Request], vocab_size: int) -> Penalties | None:
+    rows = [
+        i
+        for i, r in enumerate(requests)
+        if r.sampling_params.repetition_penalty != 1.0
+        or r.sampling_params.presence_penalty
+        or r.sampling_params.frequency_penalty
+    ]
+    if not rows:
+        return None
+    params = [requests[i].sampling_params for i in rows]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32)[:, None]
+
+    def per_row_counts(token_lists: list[list[int]]) -> torch.Tensor:
+        """`[P, vocab_size]` counts of each row's tokens, by one bincount over `row * vocab + token`."""
+        flat_rows, flat_ids = _flat(list(enumerate(token_lists)), vocab_size)
+        counts = torch.bincount(flat_rows * vocab_size + flat_ids, minlength=len(token_lists) * vocab_size)
+        return counts.view(len(token_lists), vocab_size)
+
+    repetition = any(p.repetition_penalty != 1.0 for p in params)
+    additive = any(p.presence_penalty or p.frequency_penalty for p in params)
+    return Penalties(
+        rows=torch.tensor(rows, dtype=torch.long),
+        repetition=column([p.repetition_penalty for p in params]) if repetition else None,
+        seen=per_row_counts([requests[i].all_token_ids for i in rows]) > 0 if repetition else None,
+        presence=column([p.presence_penalty for p in params]) if additive else None,
+        frequency=column([p.frequency_penalty for p in params]) if additive else None,
+        output_counts=(
+            per_row_counts([requests[i].output_token_ids for i in rows]).float() if additive else None
+        ),
+    )
+
+
+def _banned(requests: list[Request], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Before `min_tokens` outputs, EOS and stop token ids cannot be sampled (vLLM's min_tokens). A
+    request with a grammar is left to it: the grammar alone says when its output may end."""
+    pairs = []
+    for row, r in enumerate(requests):
+        p = r.sampling_params
+        if len(r.output_token_ids) < p.min_tokens and r.grammar is None:
+            ids = list(p.stop_token_ids)
+            if r.eos_token_id is not None and not p.ignore_eos:
+                ids.append(r.eos_token_id)
+            if ids:
+                pairs.append((row, ids))
+    return _flat(pairs, vocab_size) if pairs else None
+
+
+def _truncation(requests: list[Request], vocab_size: int) -> Truncation | None:
+    rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+    if not rows:
+        return None
+    params = [requests[i].sampling_params for i in rows]
+    uses_top = any(p.top_k > 0 or p.top_p < 1 for p in params)
+    return Truncation(
+        rows=torch.tensor(rows, dtype=torch.long),
+        row_list=rows,
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32)[:, None],
+        min_p=(
+            torch.tensor([p.min_p for p in params], dtype=torch.float32)[:, None]
+            if any(p.min_p > 0 for p in params)
+            else None
+        ),
+        top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]) if uses_top else None,
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32)[:, None] if uses_top else None,
+        generators={
+            j: requests[i].generator for j, i in enumerate(rows) if requests[i].generator is not None
+        },
+    )

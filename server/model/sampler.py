@@ -1,9 +1,10 @@
 """Turns the logits of one step into next tokens, one row per sampling request.
 
-The inputs are tensors the model runner built for the step (`SamplingMetadata`); the sampler reads no
-request objects. Order of operations as in vLLM's sampler: the structured-output grammar's bitmask,
-logit bias, penalties, then (for log-probabilities) the raw distribution, then temperature, min_p,
-top_k and top_p truncation, then sampling. Random rows sample by the exponential race `argmax(p / q)`,
+The inputs are tensors the model runner built for the step (`SamplingMetadata`, vLLM v1's name); the
+sampler reads no request objects. Row i of every per-row tensor belongs to row i of the step's logits.
+Order of operations as in vLLM's sampler: the structured-output grammar's bitmask, logit bias,
+penalties, then (for log-probabilities) the raw distribution, then temperature, min_p, top_k and top_p
+truncation, then sampling. Random rows sample by the exponential race `argmax(p / q)`,
 `q ~ Exp(1)`, which equals drawing from `p`; a request with a seed draws its `q` from its own
 generator, so its tokens do not depend on what else is in the batch.
 """
@@ -17,7 +18,71 @@ import torch
 
 from conveyor.server.engine.request import Logprob
 from conveyor.server.engine.structured_output import apply_grammar_bitmask
-from conveyor.server.model.sampling_metadata import Penalties, SamplingMetadata, Truncation
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Repetition, presence and frequency penalties of the rows that have one (vLLM's order and formulas:
+    CTRL's repetition penalty on prompt and output tokens, OpenAI's presence/frequency on output tokens).
+
+    rows: `[P]` int64 logits rows. repetition: `[P, 1]` float32 (1 = off); seen: `[P, vocab_size]` bool,
+    tokens in the row's prompt or output; both None when no row has a repetition penalty. presence,
+    frequency: `[P, 1]` float32 (0 = off); output_counts: `[P, vocab_size]` float32, how often each token
+    is in the row's output; all three None when no row has a presence or frequency penalty.
+    """
+
+    rows: torch.Tensor
+    repetition: torch.Tensor | None
+    seen: torch.Tensor | None
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    output_counts: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """Temperature and truncation of the random (non-greedy) rows.
+
+    rows: `[R]` int64 logits rows, also as the Python list `row_list`. temperature: `[R, 1]` float32 (> 0).
+    min_p: `[R, 1]` float32, or None when no row uses it. top_k: `[R]` int64 (vocab_size where off) and
+    top_p: `[R, 1]` float32 (1 where off), both None when no row uses either. generators: position in
+    `rows` -> the request's generator (a seeded request's own, so its draws do not depend on the batch;
+    the engine gives the others its shared one); rows without one draw from torch's default generator.
+    """
+
+    rows: torch.Tensor
+    row_list: list[int]
+    temperature: torch.Tensor
+    min_p: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Everything `sample` needs for one step of `num_rows` rows, as tensors (built by the model runner,
+    `conveyor.server.model.runner.build_sampling_metadata`).
+
+    grammar_rows, grammar_bitmask: the rows whose structured-output grammar constrains this token and
+    xgrammar's `[num_rows, ceil(vocab_size / 32)]` int32 bitmask of the tokens each allows (rows not
+    listed are not read). logit_bias: (rows `[N]` int64, token ids `[N]` int64, values `[N]` float32),
+    one entry per biased (row, token). penalties: see `Penalties`. banned: (rows `[M]`, token ids `[M]`)
+    that must not be sampled yet (EOS and stop token ids before `min_tokens`). random: see `Truncation`;
+    None when every row is greedy. logprobs: per row, how many top log-probabilities to return (capped at
+    MAX_LOGPROBS), None for none.
+    """
+
+    num_rows: int
+    grammar_rows: list[int]
+    grammar_bitmask: torch.Tensor | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    penalties: Penalties | None
+    banned: tuple[torch.Tensor, torch.Tensor] | None
+    random: Truncation | None
+    logprobs: list[int | None]
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 
 from conveyor.server.engine.request import Request, SamplingParams
 from conveyor.server.model import sampler
-from conveyor.server.model.sampling_metadata import SamplingMetadata
+from conveyor.server.model.runner import build_sampling_metadata
 
 
 def req(rid="r", output=(), prompt=(1, 2), eos=None, **params) -> Request:
@@ -20,7 +20,7 @@ def req(rid="r", output=(), prompt=(1, 2), eos=None, **params) -> Request:
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> sampler.SamplerOutput:
     """The runner's path: the requests' sampling inputs as tensors, then the sampler."""
-    return sampler.sample(logits, SamplingMetadata.from_requests(requests, logits.shape[1]))
+    return sampler.sample(logits, build_sampling_metadata(requests, logits.shape[1]))
 
 
 def test_greedy_is_argmax():
@@ -111,7 +111,7 @@ def test_logit_bias_is_added_before_everything_and_logprobs_see_it():
 
 
 def test_plain_greedy_step_builds_no_sampling_tensors():
-    metadata = SamplingMetadata.from_requests([req("a", temperature=0), req("b", temperature=0)], 50)
+    metadata = build_sampling_metadata([req("a", temperature=0), req("b", temperature=0)], 50)
     parts = (
         metadata.grammar_bitmask,
         metadata.logit_bias,
@@ -130,7 +130,7 @@ def test_penalties_and_bans_touch_only_their_own_rows():
         req("rep", prompt=[1], output=[0], temperature=0, repetition_penalty=2.0),
         req("stop", eos=3, output=[2], temperature=0, min_tokens=3, stop_token_ids=[0, 1]),
     ]
-    metadata = SamplingMetadata.from_requests(rows, 4)
+    metadata = build_sampling_metadata(rows, 4)
     assert metadata.penalties.rows.tolist() == [1, 2]
     assert metadata.penalties.output_counts[0].tolist() == [2.0, 0.0, 0.0, 0.0]
     assert metadata.penalties.seen[1].tolist() == [True, True, False, False]
@@ -145,7 +145,7 @@ def test_seeded_and_unseeded_random_rows_in_one_batch():
     alone = sample(logits, [req(temperature=0.7, top_k=5, seed=3)]).token_ids[0]
     batch = torch.cat([torch.randn(2, 100), logits])
     rows = [req("a", temperature=1.0), req("b", temperature=0), req("c", temperature=0.7, top_k=5, seed=3)]
-    metadata = SamplingMetadata.from_requests(rows, 100)
+    metadata = build_sampling_metadata(rows, 100)
     assert metadata.random.row_list == [0, 2] and list(metadata.random.generators) == [1]
     assert metadata.random.top_k.tolist() == [100, 5]
     out = sampler.sample(batch, metadata).token_ids
