@@ -241,14 +241,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class CPULinear(nn.Module):
-    """`y = x @ weight.T + bias` in float32 through the C++ backend's panel kernel (`csrc/linear.cpp`).
+    """`y = x @ weight.T + bias` through the C++ backend's panel kernel (`csrc/linear.cpp`).
 
-    The weight is laid out once in panels of 32 columns (16 without AVX-512), in float32, or in
+    A float32 weight is laid out once in panels of 32 columns (16 without AVX-512), in float32, or in
     bfloat16 when bfloat16 holds every value exactly (`bf16_exact`; a checkpoint saved in bfloat16):
-    the same values at half the bytes a decode step reads. Products and sums are float32; only their
-    order differs from a BLAS. x: `[num_tokens, in_features]` float32 -> `[num_tokens, out_features]`
-    float32. The packed weight has no `state_dict` entry; build the module after the weights are final
-    (see `pack_linear_layers`).
+    the same values at half the bytes a decode step reads; x: `[num_tokens, in_features]` float32 ->
+    `[num_tokens, out_features]` float32. A bfloat16 weight (a model held in bfloat16) is laid out in
+    panels of row pairs for AVX512_BF16's dot product (`bf16_matmul_supported`); x and the result are
+    bfloat16, each output rounded once from float32 sums, as oneDNN's bfloat16 matmul. Only the order
+    of the sums differs from a BLAS. The packed weight has no `state_dict` entry; build the module
+    after the weights are final (see `pack_linear_layers`). Raises RuntimeError for other dtypes.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -256,10 +258,15 @@ class CPULinear(nn.Module):
         weight = linear.weight.detach()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.weight_dtype = torch.bfloat16 if bf16_exact(weight) else torch.float32
-        self.packed_weight = torch.ops.conveyor_linear.pack_weight(
-            weight, self.weight_dtype == torch.bfloat16
-        )
+        self.activation_dtype = weight.dtype
+        if weight.dtype == torch.bfloat16:
+            self.weight_dtype = torch.bfloat16
+            self.packed_weight = torch.ops.conveyor_linear.pack_weight_bf16(weight)
+        else:
+            self.weight_dtype = torch.bfloat16 if bf16_exact(weight) else torch.float32
+            self.packed_weight = torch.ops.conveyor_linear.pack_weight(
+                weight, self.weight_dtype == torch.bfloat16
+            )
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,7 +274,8 @@ class CPULinear(nn.Module):
 
     def extra_repr(self) -> str:
         weight = str(self.weight_dtype).removeprefix("torch.")
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight={weight}"
+        x = str(self.activation_dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={weight}, x={x}"
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -275,12 +283,21 @@ def bf16_exact(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and torch.equal(weight, weight.to(torch.bfloat16).float())
 
 
-def pack_linear_layers(model: nn.Module) -> dict[str, int]:
-    """Replace every float32 `nn.Linear` of `model` by a `CPULinear`, in place (a tied LM head gets its
-    own copy). Returns how many hold each weight dtype, e.g. `{"bfloat16": 121}`. Raises
-    CPUKernelBuildError when the library cannot be built."""
+def bf16_matmul_supported() -> bool:
+    """True when the library was built with AVX512_BF16's dot product, so bfloat16 matmuls run in its
+    panel kernel (elsewhere oneDNN's packed layers do them). Raises CPUKernelBuildError when the library
+    cannot be built."""
     load_library()
-    replace_linear_layers(model, CPULinear, lambda linear: linear.weight.dtype == torch.float32)
+    return bool(torch.ops.conveyor_linear.bf16_dot())
+
+
+def pack_linear_layers(model: nn.Module) -> dict[str, int]:
+    """Replace every float32 `nn.Linear` of `model` by a `CPULinear`, and every bfloat16 one where
+    `bf16_matmul_supported()`, in place (a tied LM head gets its own copy). Returns how many hold each
+    weight dtype, e.g. `{"bfloat16": 121}`. Raises CPUKernelBuildError when the library cannot be
+    built."""
+    dtypes = {torch.float32, torch.bfloat16} if bf16_matmul_supported() else {torch.float32}
+    replace_linear_layers(model, CPULinear, lambda linear: linear.weight.dtype in dtypes)
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, CPULinear):

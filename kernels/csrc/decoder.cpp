@@ -11,7 +11,8 @@
 //
 // Linear layers come in three kinds, as conveyor.kernels.cpu.linear_kind names them: a plain weight
 // (`at::linear`), a oneDNN-packed weight (`mkldnn::_linear_pointwise`, kernels/onednn.py) and this
-// library's panel-packed float32 kernel (`conveyor_linear::linear`, linear.cpp).
+// library's panel-packed kernel (`conveyor_linear::linear`, linear.cpp; float32, or bfloat16 with
+// AVX512_BF16).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -244,15 +244,19 @@ def load_model(
 
 
 def _pack_cpu_matmuls(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, ops) -> None:
-    """On a CPU, lay out the linear weights once for the matmuls: in float32 with the C++ backend, its
-    panel kernel (`kernels.cpu.CPULinear`, bfloat16 weights where that is exact); otherwise oneDNN's
-    packed layout where it can (`kernels.onednn`)."""
+    """On a CPU, lay out the linear weights once for the matmuls: with the C++ backend its panel kernel
+    (`kernels.cpu.CPULinear`) in float32 (bfloat16 weights where that is exact), and in bfloat16 where
+    the CPU has AVX512_BF16's dot product; otherwise oneDNN's packed layout where it can
+    (`kernels.onednn`)."""
     name = str(dtype).removeprefix("torch.")
-    if device.type == "cpu" and dtype == torch.float32 and ops is cpu_kernels:
+    panel = device.type == "cpu" and ops is cpu_kernels
+    if panel and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernels.bf16_matmul_supported())
+    ):
         counts = cpu_kernels.pack_linear_layers(model)
         held = ", ".join(f"{count} with {weight} weights" for weight, count in sorted(counts.items()))
         logger.info(
-            "CPU matmuls: %s linear layers in the C++ float32 kernel (%s)", sum(counts.values()), held
+            "CPU matmuls: %s linear layers in the C++ %s kernel (%s)", sum(counts.values()), name, held
         )
     elif onednn.packing_supported(dtype, device):
         count = onednn.pack_linear_layers(model)

@@ -1,4 +1,5 @@
-"""oneDNN pre-packed linear layers (the CPU bfloat16 matmul path) against `torch.nn.functional.linear`."""
+"""oneDNN pre-packed linear layers (the CPU bfloat16 matmul path without AVX512_BF16 or without the C++
+backend) against `torch.nn.functional.linear`."""
 
 from __future__ import annotations
 
