@@ -101,7 +101,7 @@ def load_library() -> None:
         scripts = sysconfig.get_path("scripts")
         if shutil.which("ninja") is None and os.path.exists(os.path.join(scripts, "ninja")):
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-        logger.info("loading the C++ CPU kernels (compiled on first use on a machine, about 20 s)")
+        logger.info("loading the C++ CPU kernels (the first start on a machine compiles them, about 20 s)")
         start = time.perf_counter()
         try:
             cpp_extension.load(

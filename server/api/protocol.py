@@ -22,10 +22,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from conveyor.server.engine.request import SamplingParams
+from conveyor.server.engine.request import MAX_LOGPROBS, SamplingParams
 from conveyor.server.engine.structured_output import StructuredOutputParams
-
-MAX_LOGPROBS = 20
 
 
 def start_limit(name: str) -> dict[str, str]:

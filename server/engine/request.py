@@ -25,6 +25,10 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# The most top log-probabilities a request may ask for per token (OpenAI allows 20).
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters (OpenAI's plus vLLM's extensions, same meanings).
@@ -36,8 +40,9 @@ class SamplingParams:
     prompt or output (CTRL, Keskar et al. 2019); presence/frequency penalties in [-2, 2] subtract
     from logits of output tokens (OpenAI's formula). seed makes this request's samples reproducible
     whatever else is in the batch. logprobs: number of top log-probabilities to return per token
-    (None = none, 0 = only the sampled token's). structured_output: a grammar the output must match
-    (a JSON schema, regex, choice or EBNF; see structured_output.py), None for free text.
+    (None = none, 0 = only the sampled token's, at most MAX_LOGPROBS). structured_output: a grammar
+    the output must match (a JSON schema, regex, choice or EBNF; see structured_output.py), None for
+    free text.
     """
 
     temperature: float = 1.0

@@ -19,8 +19,6 @@ import torch
 from conveyor.server.engine.request import Logprob
 from conveyor.server.engine.structured_output import apply_grammar_bitmask
 
-MAX_LOGPROBS = 20
-
 
 @dataclass(frozen=True)
 class Penalties:
