@@ -338,10 +338,12 @@ Tensor pack_weight_bf16(const Tensor& weight) {
   return packed;
 }
 
-void run_linear_bf16(const uint16_t* xp, const uint16_t* wp, const float* bp, uint16_t* op, int64_t M,
-                     int64_t K, int64_t panels, int64_t out_features) {
-  static constexpr auto tiles = make_tiles_bf16(std::make_integer_sequence<int, kTileRows>{});
-  const int64_t panel_size = (K + 1) / 2 * 2 * kPanel;
+// Every row of x against every panel: rows in blocks of kBlockRows, each block in tiles of near-equal
+// height (16 rows run as 8 + 8, not 12 + 4), the threads splitting the panels. `tiles[r - 1]` runs a
+// tile of r rows; a panel is `panel_size` weight elements.
+template <typename X, typename W, typename O, typename Tiles>
+void run_panels(const Tiles& tiles, const X* xp, const W* wp, int64_t panel_size, const float* bp, O* op,
+                int64_t M, int64_t K, int64_t panels, int64_t out_features) {
   for (int64_t block = 0; block < M; block += kBlockRows) {
     const int64_t block_rows = std::min(kBlockRows, M - block);
     const int64_t num_tiles = (block_rows + kTileRows - 1) / kTileRows;
@@ -352,33 +354,8 @@ void run_linear_bf16(const uint16_t* xp, const uint16_t* wp, const float* bp, ui
         int64_t row = block;
         for (int64_t t = 0; t < num_tiles; ++t) {
           const int64_t rows = (block + block_rows - row) / (num_tiles - t);
-          const uint16_t* next = t + 1 == num_tiles && p + 1 < end ? wp + (p + 1) * panel_size : nullptr;
+          const W* next = t + 1 == num_tiles && p + 1 < end ? wp + (p + 1) * panel_size : nullptr;
           tiles[rows - 1](xp + row * K, K, wp + p * panel_size, K, bp ? bp + col : nullptr,
-                          op + row * out_features + col, out_features, cols, next);
-          row += rows;
-        }
-      }
-    });
-  }
-}
-
-template <typename W>
-void run_linear(const float* xp, const W* wp, const float* bp, float* op, int64_t M, int64_t K,
-                int64_t panels, int64_t out_features) {
-  static constexpr auto tiles = make_tiles<W>(std::make_integer_sequence<int, kTileRows>{});
-  for (int64_t block = 0; block < M; block += kBlockRows) {
-    const int64_t block_rows = std::min(kBlockRows, M - block);
-    // Tiles of near-equal height: 16 rows run as 8 + 8, not 12 + 4.
-    const int64_t num_tiles = (block_rows + kTileRows - 1) / kTileRows;
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t col = p * kPanel;
-        const int64_t cols = std::min(kPanel, out_features - col);
-        int64_t row = block;
-        for (int64_t t = 0; t < num_tiles; ++t) {
-          const int64_t rows = (block + block_rows - row) / (num_tiles - t);
-          const W* next = t + 1 == num_tiles && p + 1 < end ? wp + (p + 1) * K * kPanel : nullptr;
-          tiles[rows - 1](xp + row * K, K, wp + p * K * kPanel, K, bp ? bp + col : nullptr,
                           op + row * out_features + col, out_features, cols, next);
           row += rows;
         }
@@ -415,16 +392,20 @@ Tensor linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>
   const Tensor xc = x.contiguous();
   Tensor out = at::empty({M, out_features}, x.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  static constexpr auto tiles_f32 = make_tiles<float>(std::make_integer_sequence<int, kTileRows>{});
+  static constexpr auto tiles_bf16_weight = make_tiles<uint16_t>(std::make_integer_sequence<int, kTileRows>{});
+  static constexpr auto tiles_bf16 = make_tiles_bf16(std::make_integer_sequence<int, kTileRows>{});
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   if (bf16) {
-    run_linear_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
-                    reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
-                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), M, K, panels, out_features);
+    run_panels(tiles_bf16, reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), wp,
+               packed.size(1) * 2 * kPanel, bp, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), M, K,
+               panels, out_features);
   } else if (packed.scalar_type() == at::kBFloat16) {
-    run_linear(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
-               out.data_ptr<float>(), M, K, panels, out_features);
-  } else {
-    run_linear(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, out.data_ptr<float>(), M, K, panels,
+    run_panels(tiles_bf16_weight, xc.data_ptr<float>(), wp, K * kPanel, bp, out.data_ptr<float>(), M, K, panels,
                out_features);
+  } else {
+    run_panels(tiles_f32, xc.data_ptr<float>(), packed.data_ptr<float>(), K * kPanel, bp, out.data_ptr<float>(),
+               M, K, panels, out_features);
   }
   return out;
 }
