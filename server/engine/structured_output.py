@@ -5,7 +5,8 @@ an EBNF grammar) is compiled once per distinct spec by xgrammar's `GrammarCompil
 the second compile of the same spec a lookup. Each constrained request gets its own `GrammarMatcher`
 (its position in the grammar); every step the model runner fills one row of a token bitmask per
 constrained row (`grammar_bitmask`, part of the step's sampling inputs), the sampler masks the logits
-with it (`apply_grammar_bitmask`), and the engine advances the matcher with the sampled token. Unconstrained rows are never touched. This is vLLM's and SGLang's design
+with it (`apply_grammar_bitmask`), and the engine advances the matcher with the sampled token.
+Unconstrained rows are never touched. This is vLLM's and SGLang's design
 (xgrammar: Dong et al. 2024, arXiv:2411.15100).
 
 JSON is generated compact (`any_whitespace=False`: no free whitespace between tokens), so a small

@@ -307,7 +307,6 @@ def _truncation(requests: list[Request], vocab_size: int) -> Truncation | None:
     uses_top = any(p.top_k > 0 or p.top_p < 1 for p in params)
     return Truncation(
         rows=torch.tensor(rows, dtype=torch.long),
-        row_list=rows,
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32)[:, None],
         min_p=(
             torch.tensor([p.min_p for p in params], dtype=torch.float32)[:, None]

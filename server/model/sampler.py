@@ -43,7 +43,7 @@ class Penalties:
 class Truncation:
     """Temperature and truncation of the random (non-greedy) rows.
 
-    rows: `[R]` int64 logits rows, also as the Python list `row_list`. temperature: `[R, 1]` float32 (> 0).
+    rows: `[R]` int64 logits rows. temperature: `[R, 1]` float32 (> 0).
     min_p: `[R, 1]` float32, or None when no row uses it. top_k: `[R]` int64 (vocab_size where off) and
     top_p: `[R, 1]` float32 (1 where off), both None when no row uses either. generators: position in
     `rows` -> the request's generator (a seeded request's own, so its draws do not depend on the batch;
@@ -51,7 +51,6 @@ class Truncation:
     """
 
     rows: torch.Tensor
-    row_list: list[int]
     temperature: torch.Tensor
     min_p: torch.Tensor | None
     top_k: torch.Tensor | None
@@ -170,7 +169,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     if random is not None:
         probs = _truncate(logits[random.rows], random)
         q = torch.empty_like(probs)
-        for j in range(len(random.row_list)):
+        for j in range(len(random.rows)):
             q[j].exponential_(generator=random.generators.get(j))
         token_ids[random.rows] = (probs / q).argmax(dim=-1)
 

@@ -146,7 +146,7 @@ def test_seeded_and_unseeded_random_rows_in_one_batch():
     batch = torch.cat([torch.randn(2, 100), logits])
     rows = [req("a", temperature=1.0), req("b", temperature=0), req("c", temperature=0.7, top_k=5, seed=3)]
     metadata = build_sampling_metadata(rows, 100)
-    assert metadata.random.row_list == [0, 2] and list(metadata.random.generators) == [1]
+    assert metadata.random.rows.tolist() == [0, 2] and list(metadata.random.generators) == [1]
     assert metadata.random.top_k.tolist() == [100, 5]
     out = sampler.sample(batch, metadata).token_ids
     assert out[2] == alone and out[1] == int(batch[1].argmax())
