@@ -42,6 +42,20 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp", CSRC / "decoder.cpp")
 EXTENSION_NAME = "conveyor_cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+# Set (to anything but "" or "0") to build the kernels without AVX-512 on a CPU that has it, as vLLM's
+# VLLM_CPU_DISABLE_AVX512 does for its CPU build: the AVX2 path, measured on an AVX-512 machine.
+DISABLE_AVX512_ENV = "CONVEYOR_CPU_DISABLE_AVX512"
+
+
+def avx512_disabled() -> bool:
+    """True when CONVEYOR_CPU_DISABLE_AVX512 asks for the kernels' AVX2 build."""
+    return os.environ.get(DISABLE_AVX512_ENV, "") not in ("", "0")
+
+
+def compile_flags() -> list[str]:
+    """The compiler flags of this process's build: COMPILE_FLAGS, with every AVX-512 extension turned
+    off (`-mno-avx512f`) when CONVEYOR_CPU_DISABLE_AVX512 is set."""
+    return [*COMPILE_FLAGS, *(["-mno-avx512f"] if avx512_disabled() else [])]
 
 
 class CPUKernelBuildError(RuntimeError):
@@ -54,15 +68,17 @@ _error: CPUKernelBuildError | None = None
 
 
 def _build_name() -> str:
-    """The extension's name, one per CPU type: `-march=native` code built on one CPU may not run on
-    another, so a `~/.cache` shared by different machines keeps one build for each."""
+    """The extension's name, one per CPU type and ISA choice: `-march=native` code built on one CPU may
+    not run on another, so a `~/.cache` shared by different machines keeps one build for each, and the
+    AVX2 build of an AVX-512 machine (CONVEYOR_CPU_DISABLE_AVX512) has its own."""
     flags = platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), flags)
     except OSError:
         pass
-    return f"{EXTENSION_NAME}_{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
+    suffix = "_noavx512" if avx512_disabled() else ""
+    return f"{EXTENSION_NAME}_{hashlib.sha256(flags.encode()).hexdigest()[:10]}{suffix}"
 
 
 def _build_failure(exc: BaseException) -> str:
@@ -107,7 +123,7 @@ def load_library() -> None:
             cpp_extension.load(
                 name=_build_name(),
                 sources=[str(source) for source in SOURCES],
-                extra_cflags=list(COMPILE_FLAGS),
+                extra_cflags=compile_flags(),
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
@@ -118,7 +134,9 @@ def load_library() -> None:
                 f"building the C++ CPU kernels ({names}) failed: {_build_failure(exc)}"
             )
             raise _error from exc
-        logger.info("C++ CPU kernels ready in %.1f s", time.perf_counter() - start)
+        isa = torch.ops.conveyor_linear.isa()
+        why = f" ({DISABLE_AVX512_ENV} is set)" if avx512_disabled() else ""
+        logger.info("C++ CPU kernels ready in %.1f s, vector ISA %s%s", time.perf_counter() - start, isa, why)
         _loaded = True
 
 

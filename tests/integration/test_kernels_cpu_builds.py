@@ -5,6 +5,11 @@ with neither, runs. The machine's own build is checked in test_kernels_backends.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils import cpp_extension
@@ -91,3 +96,35 @@ def test_norms_rotary_and_silu(ops, dtype) -> None:
         torch.testing.assert_close(got, want, **tol)
     gate_up = torch.randn(13, 2 * 1536 + 2, generator=g).to(dtype)[:, :-2]  # a strided view
     torch.testing.assert_close(ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), **tol)
+
+
+def test_compile_flags_follow_disable_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, disabled in (("", False), ("0", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv(cpu.DISABLE_AVX512_ENV, value)
+        assert cpu.avx512_disabled() is disabled
+        assert ("-mno-avx512f" in cpu.compile_flags()) is disabled
+        assert cpu._build_name().endswith("_noavx512") is disabled
+
+
+def test_server_library_without_avx512() -> None:
+    """CONVEYOR_CPU_DISABLE_AVX512 (as vLLM's VLLM_CPU_DISABLE_AVX512): the server's whole library built
+    without AVX-512 under its own cache name runs the AVX2 paths (the scalar ones on a CPU without AVX2)
+    and agrees with torch. In a subprocess: one process loads one build of the op namespaces."""
+    script = (
+        "import torch\n"
+        "from conveyor.kernels import cpu\n"
+        "cpu.load_library()\n"
+        "g = torch.Generator().manual_seed(24)\n"
+        "x, w = torch.randn(5, 576, generator=g), torch.randn(960, 576, generator=g)\n"
+        "y = torch.ops.conveyor_linear.linear(x, torch.ops.conveyor_linear.pack_weight(w, False), None, 960)\n"
+        "torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-4)\n"
+        "print(cpu._build_name(), torch.ops.conveyor_linear.isa())\n"
+    )
+    env = dict(os.environ, **{cpu.DISABLE_AVX512_ENV: "1", "PYTHONSAFEPATH": "1"})
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            timeout=900, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    name, isa = result.stdout.split()[-2:]
+    flags = Path("/proc/cpuinfo").read_text().split()
+    assert name.endswith("_noavx512")
+    assert isa == ("avx2" if "avx2" in flags and "fma" in flags else "scalar")
