@@ -4,15 +4,18 @@ stand-in with the same methods)."""
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kubernetes import client, dynamic
+from kubernetes import client, config, dynamic
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError, ResourceNotFoundError
 
+from conveyor.operator.permissions import Check
 from conveyor.operator.render import FIELD_MANAGER, GPU_PRODUCT_LABEL, GPU_RESOURCE, selector_string
 from conveyor.operator.spec import GROUP, PLURAL, VERSION
 
@@ -64,6 +67,26 @@ def configuration(obj: dict[str, Any]) -> dict[str, Any]:
 logger = logging.getLogger(__name__)
 
 
+def load_api_client() -> client.ApiClient:
+    """An API client with the pod's service account in a cluster, else the kubeconfig ($KUBECONFIG or
+    ~/.kube/config). Raises kubernetes.config.ConfigException when neither exists."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def api_message(exc: ApiException) -> str:
+    """The API server's own message in an error (`deployments.apps "x" is forbidden: User "..." cannot
+    get resource "deployments" in API group "apps" in the namespace "ns"`), else the HTTP reason."""
+    try:
+        message = json.loads(exc.body or "").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or f"HTTP {exc.status} {exc.reason}")
+
+
 def _quantity_int(value: str) -> int:
     """A GPU count as a node reports it (a whole number); 0 when it is not one."""
     try:
@@ -80,6 +103,8 @@ class Cluster:
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
+        self.authorization = client.AuthorizationV1Api(api_client)
+        self.authentication = client.AuthenticationV1Api(api_client)
         self._apis: dict[tuple[str, str], bool] = {}
         # The dynamic client keeps discovery in a file under /tmp and trusts it across restarts:
         # start from the server's answer, and read it again every DISCOVERY_TTL_SECONDS.
@@ -250,3 +275,40 @@ class Cluster:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    def namespaces(self) -> list[str]:
+        """The names of every namespace."""
+        return [n.metadata.name for n in self.core.list_namespace().items]
+
+    def identity(self) -> str | None:
+        """The user name the API server knows these credentials by (SelfSubjectReview), or None when
+        it cannot say."""
+        try:
+            review = self.authentication.create_self_subject_review(client.V1SelfSubjectReview())
+        except ApiException:
+            return None
+        return review.status.user_info.username if review.status and review.status.user_info else None
+
+    def missing_permissions(self, checks: list[Check]) -> list[Check]:
+        """The checks the API server denies these credentials, asked as SelfSubjectAccessReviews (every
+        authenticated identity may ask about itself), a few at a time. Raises ApiException when the
+        API server cannot be asked."""
+
+        def allowed(check: Check) -> bool:
+            resource, _, subresource = check.resource.partition("/")
+            review = client.V1SelfSubjectAccessReview(
+                spec=client.V1SelfSubjectAccessReviewSpec(
+                    resource_attributes=client.V1ResourceAttributes(
+                        verb=check.verb,
+                        group=check.group,
+                        resource=resource,
+                        subresource=subresource or None,
+                        namespace=check.namespace or None,
+                    )
+                )
+            )
+            return bool(self.authorization.create_self_subject_access_review(review).status.allowed)
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers = list(pool.map(allowed, checks))
+        return [check for check, ok in zip(checks, answers, strict=True) if not ok]

@@ -3,6 +3,10 @@
 Watches one or more namespaces (`--namespace`, repeatable) or the whole cluster (`--all-namespaces`,
 the default). `--standalone` turns off kopf's peering, which otherwise lets several operator replicas
 agree on one active instance through a (Cluster)KopfPeering object.
+
+Before it watches anything it asks the API server whether its identity holds every permission it needs
+(operator/permissions.py, the list the chart's ClusterRole is generated from) and exits with status 1,
+naming each missing verb and resource, when one is missing.
 """
 
 from __future__ import annotations
@@ -252,8 +256,42 @@ class _QuietRoutine(logging.Filter):
         return not (record.levelno <= logging.INFO and record.getMessage().startswith(self._ROUTINE))
 
 
+def check_permissions(namespaces: list[str], *, peering: bool) -> str | None:
+    """None when the operator's identity holds every permission it needs in `namespaces` (empty: the
+    whole cluster); otherwise what it lacks, or why it could not ask, worded for the log."""
+    import urllib3
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.config import ConfigException
+
+    from conveyor.operator.cluster import Cluster, api_message, load_api_client
+    from conveyor.operator.permissions import is_pattern, missing_message, required_checks
+
+    try:
+        cluster = Cluster(load_api_client())
+        existing = None
+        if any(is_pattern(n) for n in namespaces):
+            try:
+                existing = cluster.namespaces()
+            except ApiException as exc:
+                if exc.status != 403:
+                    raise
+                existing = []  # the check below names `list namespaces` as missing
+        missing = cluster.missing_permissions(
+            required_checks(namespaces, peering=peering, existing_namespaces=existing)
+        )
+        identity = cluster.identity() if missing else None
+    except ConfigException as exc:
+        return f"no Kubernetes credentials (in-cluster service account or kubeconfig): {exc}"
+    except ApiException as exc:
+        return f"cannot check the operator's permissions: the API server answered {api_message(exc)}"
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        return f"cannot reach the Kubernetes API server to check the operator's permissions: {exc}"
+    return missing_message(missing, identity) if missing else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the operator until interrupted; returns the exit status."""
+    """Run the operator until interrupted; returns the exit status (1: a permission it needs is
+    missing, or the API server could not be asked)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -265,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     # One line per Prometheus query and per timer run would drown the decisions in the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").addFilter(_QuietRoutine())
+    problem = check_permissions(list(args.namespace), peering=not args.standalone)
+    if problem is not None:
+        logging.getLogger("conveyor.operator").error("not starting: %s", problem)
+        return 1
+    logging.getLogger("conveyor.operator").info("permission check passed (operator/permissions.py)")
     # Importing registers the handlers with kopf's default registry.
     from conveyor.operator import handlers
 

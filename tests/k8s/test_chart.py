@@ -23,6 +23,7 @@ import yaml
 from kubernetes import client
 from prometheus_client.utils import floatToGoString
 
+from conveyor.operator.permissions import required_checks
 from conveyor.operator.render import ROUTER_RULES
 from conveyor.operator.run import build_parser
 from conveyor.server.api.metrics import LATENCY_BUCKETS
@@ -154,42 +155,12 @@ def test_template_namespaces_and_peering(tmp_path: Path) -> None:
     assert build_parser().parse_args(args[1:]).service_monitor_label == [("release", "kube-prometheus-stack")]
 
 
-# Every (verb, group, resource) the operator and kopf use. Checked with SubjectAccessReviews, which need
-# no discovery, so permissions for APIs not installed here (ServiceMonitor) are checked as well.
-_CHILDREN = [
-    ("apps", "deployments"),
-    ("", "services"),
-    ("policy", "poddisruptionbudgets"),
-    # spec.router
-    ("", "serviceaccounts"),
-    ("rbac.authorization.k8s.io", "roles"),
-    ("rbac.authorization.k8s.io", "rolebindings"),
-    ("inference.networking.k8s.io", "inferencepools"),
-    ("networking.k8s.io", "networkpolicies"),
-]
+# Every (verb, group, resource) the operator and kopf use (operator/permissions.py, which the operator
+# also checks at start), and what the router's Role grants (RBAC refuses the Role unless the operator
+# holds it too). Checked with SubjectAccessReviews, which need no discovery, so permissions for APIs not
+# installed here (ServiceMonitor) are checked as well.
 OPERATOR_PERMISSIONS: list[tuple[str, str, str]] = [
-    *[(verb, "serving.conveyor.dev", "inferenceservices") for verb in ("get", "list", "watch", "patch")],
-    ("patch", "serving.conveyor.dev", "inferenceservices/status"),
-    *[
-        (verb, group, resource)
-        for group, resource in [*_CHILDREN, ("monitoring.coreos.com", "servicemonitors")]
-        for verb in ("get", "list", "watch", "create", "patch")
-    ],
-    # The router's children are deleted when router.enabled turns false.
-    *[
-        ("delete", group, resource)
-        for group, resource in [
-            ("apps", "deployments"),
-            ("", "services"),
-            ("", "serviceaccounts"),
-            ("rbac.authorization.k8s.io", "roles"),
-            ("rbac.authorization.k8s.io", "rolebindings"),
-            ("monitoring.coreos.com", "servicemonitors"),
-            ("inference.networking.k8s.io", "inferencepools"),
-            ("networking.k8s.io", "networkpolicies"),
-        ]
-    ],
-    # What the router's Role grants: RBAC refuses the Role unless the operator holds it too.
+    *[(c.verb, c.group, c.resource) for c in required_checks([], peering=True)],
     *[
         (verb, group, resource)
         for rule in ROUTER_RULES
@@ -197,20 +168,6 @@ OPERATOR_PERMISSIONS: list[tuple[str, str, str]] = [
         for resource in rule["resources"]
         for verb in rule["verbs"]
     ],
-    *[
-        (verb, group, resource)
-        for group, resource in [("autoscaling", "horizontalpodautoscalers"), ("keda.sh", "scaledobjects")]
-        for verb in ("get", "create", "patch", "delete")
-    ],
-    ("list", "", "pods"),
-    ("watch", "", "pods"),
-    ("list", "", "nodes"),
-    ("list", "serving.conveyor.dev", "inferenceservices"),
-    ("watch", "apiextensions.k8s.io", "customresourcedefinitions"),
-    ("patch", "apps", "deployments/scale"),
-    ("create", "", "events"),
-    ("list", "apiextensions.k8s.io", "customresourcedefinitions"),
-    ("watch", "", "namespaces"),
 ]
 
 
