@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 import kopf
-from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from conveyor.operator import metrics
@@ -38,9 +38,11 @@ from conveyor.operator.cluster import (
     SERVICE_MONITOR,
     ApplyError,
     Cluster,
+    api_message,
     configuration,
+    load_api_client,
 )
-from conveyor.operator.metrics import PrometheusSource, Reading
+from conveyor.operator.metrics import PROMETHEUS_DEADLINE_SECONDS, PrometheusSource, Reading
 from conveyor.operator.plan import PlanningError, SpecPlan, plan_for_spec
 from conveyor.operator.render import (
     FIELD_MANAGER,
@@ -66,10 +68,13 @@ from conveyor.operator.spec import (
 )
 from conveyor.operator.status import (
     METRICS_AVAILABLE,
+    READY,
+    SCALING,
     autoscaler_status,
     build_status,
     capacity_message,
     history_from_status,
+    make_condition,
 )
 from conveyor.server.cli import ServeArgsError
 
@@ -90,6 +95,8 @@ FAILURE_REASONS = {
 # the router Deployment of `x`).
 APPLY_FAILURE_REASONS = {403: "ApplyForbidden", 409: "NameConflict"}
 APPLY_FAILURE_REASON = "ApplyFailed"
+# The reason of a condition whose step a missing permission stopped (a 403 outside an apply).
+FORBIDDEN = "Forbidden"
 # kopf's retry delay after an apply failure: doubling from 10 s up to 5 minutes.
 RETRY_DELAYS = (10, 300)
 
@@ -121,11 +128,7 @@ _locks_guard = threading.Lock()
 def _get_cluster() -> Cluster:
     global _cluster
     if _cluster is None:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        _cluster = Cluster(client.ApiClient())
+        _cluster = Cluster(load_api_client())
     return _cluster
 
 
@@ -167,7 +170,60 @@ def reconcile(namespace: str, name: str, logger: logging.Logger | logging.Logger
     """Bring one InferenceService's children and status in line with its spec. Raises
     ReconcileFailed when the API server refused a child (status and an Event already say so)."""
     with _lock_for(namespace, name):
-        _reconcile(_get_cluster(), namespace, name, logger)
+        cluster = _get_cluster()
+        try:
+            _reconcile(cluster, namespace, name, logger)
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            message = api_message(exc)
+            _report_forbidden(cluster, namespace, name, READY, message, logger)
+            raise ReconcileFailed(message) from None
+
+
+def _report_forbidden(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    condition_type: str,
+    message: str,
+    logger: logging.Logger | logging.LoggerAdapter,
+) -> None:
+    """A call the API server refused for want of a permission (RBAC changed under the running
+    operator): `condition_type` (Ready for reconcile, Scaling for the autoscaler) turns False with
+    reason Forbidden and the server's message, which names the verb and the resource, and one Warning
+    event and log line say so, once per message. Call with the resource's lock held."""
+    try:
+        body = cluster.get_inference_service(namespace, name)
+    except ApiException as exc:
+        logger.error(
+            "%s; reading %s/%s to report it failed too: %s", message, namespace, name, api_message(exc)
+        )
+        return
+    if body is None:
+        return
+    conditions = (body.get("status") or {}).get("conditions") or []
+    was = next((c for c in conditions if c.get("type") == condition_type), {})
+    if (was.get("status"), was.get("reason"), was.get("message")) == ("False", FORBIDDEN, message):
+        return
+    logger.warning("%s: %s", FORBIDDEN, message)
+    kopf.event(body, type="Warning", reason=FORBIDDEN, message=message)
+    condition = make_condition(
+        condition_type,
+        False,
+        FORBIDDEN,
+        message,
+        generation=body["metadata"].get("generation"),
+        now=_now(),
+        previous=conditions,
+    )
+    updated = [condition if c.get("type") == condition_type else c for c in conditions]
+    if condition_type not in {c.get("type") for c in conditions}:
+        updated.append(condition)
+    try:
+        cluster.patch_status(namespace, name, {"conditions": updated})
+    except ApiException as exc:
+        logger.error("cannot write the Forbidden condition of %s/%s: %s", namespace, name, api_message(exc))
 
 
 def _apply_children(
@@ -587,10 +643,13 @@ def configure_children(
 def configure_autoscaler(prometheus_url: str | None, interval_seconds: float) -> None:
     """Point the builtin autoscaler at Prometheus and register its timer (every `interval_seconds`).
 
-    Without a URL the timer still runs and records `MetricsAvailable=False` (it never guesses).
+    Without a URL the timer still runs and records `MetricsAvailable=False` (it never guesses). A
+    step's queries share one deadline shorter than the interval (PROMETHEUS_DEADLINE_SECONDS at most),
+    so a hung Prometheus never makes steps pile up.
     """
     global _prometheus
-    _prometheus = PrometheusSource(prometheus_url) if prometheus_url else None
+    deadline = min(PROMETHEUS_DEADLINE_SECONDS, 0.8 * interval_seconds)
+    _prometheus = PrometheusSource(prometheus_url, deadline) if prometheus_url else None
     # Only autoscaled resources get the timer, and with it kopf's finalizer (kopf stops a timer before
     # its resource goes, so deleting an autoscaled InferenceService waits for a running operator).
     kopf.timer(
@@ -606,8 +665,15 @@ def configure_autoscaler(prometheus_url: str | None, interval_seconds: float) ->
 
 def on_autoscale_timer(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """One builtin-autoscaler step for one InferenceService: read, decide, write replicas, record."""
-    with _lock_for(namespace, name):
-        autoscale(_get_cluster(), _prometheus, namespace, name, memo, logger, time.time())
+    lock = _lock_for(namespace, name)
+    cluster = _get_cluster()
+    try:
+        autoscale(cluster, _prometheus, namespace, name, memo, logger, time.time(), lock=lock)
+    except ApiException as exc:
+        if exc.status != 403:
+            raise
+        with lock:
+            _report_forbidden(cluster, namespace, name, SCALING, api_message(exc), logger)
 
 
 def _reading_without_source() -> Reading:
@@ -622,45 +688,81 @@ def autoscale(
     memo: Any,
     logger: logging.Logger | logging.LoggerAdapter,
     now_seconds: float,
+    *,
+    lock: threading.Lock | None = None,
 ) -> None:
     """Read the Ready pods' metrics, decide, write the Deployment's replicas (mode Active), and record
     the decision in status, an Event and the operator's metrics. `memo` holds the history between
-    steps; after a restart it is read back from status."""
+    steps; after a restart it is read back from status.
+
+    `lock` is the resource's reconcile lock. Prometheus is read without it, so a slow or hung
+    Prometheus never delays a reconcile; the resource and its Deployment are read again, and the
+    decision written, while holding it.
+    """
+    lock = lock or threading.Lock()
     body = cluster.get_inference_service(namespace, name)
-    if body is None or body["metadata"].get("deletionTimestamp"):
+    spec = _autoscaled_spec(body)
+    if body is None or spec is None:
         return
-    try:
-        spec = parse_spec(body.get("spec") or {}, _server_image)
-    except ValidationError:
-        return  # reconcile reports it
     auto = spec.autoscaling
     keda_pending = auto is not None and auto.engine == "keda" and cluster.has_api(*SCALED_OBJECT)
     if keda_pending and cluster.get(*SCALED_OBJECT, namespace, name) is None:
         # KEDA was installed after the last reconcile: nothing else would trigger one.
-        with contextlib.suppress(ReconcileFailed):  # status says why
+        with lock, contextlib.suppress(ReconcileFailed):  # status says why
             _reconcile(cluster, namespace, name, logger)
     if auto is None or auto.engine != "builtin":
         memo.pop(HISTORY_MEMO_KEY, None)
         return
-    deployment = cluster.get("apps/v1", "Deployment", namespace, name)
-    if deployment is None:
-        return  # reconcile creates it first
-    current = int(deployment.get("spec", {}).get("replicas", 1))
     ready_pods, live_pods = cluster.pods(namespace, name)
     router_pods = None
     if spec.router_enabled:
         # Requests the router holds are the only demand a service scaled to zero shows.
         ready_routers, live_routers = cluster.pods(namespace, name, router_selector_string(name))
         router_pods = ready_routers or live_routers
-    window = auto.ttft_window_seconds
     reading = (
         _reading_without_source()
         if source is None
-        else source.observe(namespace, ready_pods or live_pods, window, router_pods)
+        else source.observe(namespace, ready_pods or live_pods, auto.ttft_window_seconds, router_pods)
     )
+    with lock:
+        _decide_and_record(cluster, namespace, name, memo, logger, now_seconds, reading, len(ready_pods))
+
+
+def _autoscaled_spec(body: dict[str, Any] | None) -> InferenceServiceSpec | None:
+    """The spec of a live InferenceService, None when it is gone, being deleted or invalid (reconcile
+    reports that)."""
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    try:
+        return parse_spec(body.get("spec") or {}, _server_image)
+    except ValidationError:
+        return None
+
+
+def _decide_and_record(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    memo: Any,
+    logger: logging.Logger | logging.LoggerAdapter,
+    now_seconds: float,
+    reading: Reading,
+    ready: int,
+) -> None:
+    """The autoscaling step's second half, under the resource's lock: decide on `reading` with the
+    spec, replicas and status as they are now, write replicas and record the decision."""
+    body = cluster.get_inference_service(namespace, name)
+    spec = _autoscaled_spec(body)
+    if body is None or spec is None or spec.autoscaling is None or spec.autoscaling.engine != "builtin":
+        return  # deleted, or autoscaling changed while Prometheus answered
+    auto = spec.autoscaling
+    deployment = cluster.get("apps/v1", "Deployment", namespace, name)
+    if deployment is None:
+        return  # reconcile creates it first
+    current = int(deployment.get("spec", {}).get("replicas", 1))
     previous = body.get("status") or {}
     history: History = memo.get(HISTORY_MEMO_KEY) or history_from_status(previous)
-    decision, new_history = decide(auto, current, len(ready_pods), reading.observation, history, now_seconds)
+    decision, new_history = decide(auto, current, ready, reading.observation, history, now_seconds)
     acted = auto.mode == "Active"
     if not acted:
         new_history = History(new_history.recommendations, history.scale_events)
@@ -677,7 +779,7 @@ def autoscale(
         reading=reading,
         history=new_history,
         current=current,
-        ready=len(ready_pods),
+        ready=ready,
         acted=acted,
         generation=body["metadata"].get("generation"),
         now=now,
@@ -689,8 +791,12 @@ def autoscale(
         kopf.event(body, type="Normal", reason=reason, message=decision.message)
     was = next((c for c in previous.get("conditions") or [] if c.get("type") == METRICS_AVAILABLE), None)
     now_available = next(c for c in patch["conditions"] if c["type"] == METRICS_AVAILABLE)
+    # Told once per outage, in the log as in events: not every step.
     if now_available["status"] == "False" and (was or {}).get("status") != "False":
         kopf.event(body, type="Warning", reason="MetricsUnavailable", message=now_available["message"])
+        logger.warning("metrics unavailable: %s", now_available["message"])
+    elif now_available["status"] == "True" and (was or {}).get("status") == "False":
+        logger.info("metrics available again: %s", now_available["message"])
     cluster.patch_status(namespace, name, patch)
 
     metrics.DECISIONS.labels(namespace, name, decision.reason).inc()

@@ -17,7 +17,8 @@ named `<name>-router`):
 
     router waiting  sum(conveyor:router_requests_waiting{R})
 
-A timeout, an HTTP or PromQL error, an empty vector, NaN or Inf are "unknown" (None), never 0. When
+The queries of one observation run concurrently under one deadline: a query without an answer by then
+is a timeout. A timeout, an HTTP or PromQL error, an empty vector, NaN or Inf are "unknown" (None), never 0. When
 fewer Ready pods report a queue (or running requests) than are Ready (a pod not scraped yet), the sum
 is the mean of those that do times the Ready count.
 
@@ -27,6 +28,7 @@ The operator's own series (decisions by reason, query errors, last decision time
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import httpx
@@ -39,6 +41,8 @@ WAITING = "conveyor:num_requests_waiting"
 RUNNING = "conveyor:num_requests_running"
 KV_USAGE = "conveyor:kv_cache_usage_perc"
 ROUTER_WAITING = "conveyor:router_requests_waiting"
+# The longest one autoscaling step waits for Prometheus, all its queries together (seconds).
+PROMETHEUS_DEADLINE_SECONDS = 5.0
 
 DECISIONS = Counter(
     "conveyor_operator_autoscaler_decisions",
@@ -101,13 +105,15 @@ class Reading:
 class PrometheusSource:
     """Instant queries against one Prometheus server's HTTP API.
 
-    url: the server's base URL (e.g. http://prometheus-operated.monitoring:9090). timeout_seconds
-    bounds each query, so one slow Prometheus never stalls the operator for long.
+    url: the server's base URL (e.g. http://prometheus-operated.monitoring:9090). deadline_seconds
+    bounds one observation, all its queries together (they run at once), so a slow or hung
+    Prometheus costs a step at most that long.
     """
 
-    def __init__(self, url: str, timeout_seconds: float = 5.0) -> None:
+    def __init__(self, url: str, deadline_seconds: float = PROMETHEUS_DEADLINE_SECONDS) -> None:
         self.url = url.rstrip("/")
-        self._client = httpx.Client(timeout=timeout_seconds)
+        self.deadline_seconds = deadline_seconds
+        self._client = httpx.Client(timeout=deadline_seconds)
 
     def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
         """The instant vector of `promql` as [(labels, value)]; raises QueryError."""
@@ -126,6 +132,25 @@ class PrometheusSource:
             return [({}, float(data["result"][1]))]
         return [(item.get("metric", {}), float(item["value"][1])) for item in data.get("result", [])]
 
+    def _query_all(self, promql: dict[str, str]) -> dict[str, list[tuple[dict[str, str], float]] | str]:
+        """Each query's vector, or its error text; all at once, within the deadline."""
+        if not promql:
+            return {}
+        pool = ThreadPoolExecutor(max_workers=len(promql), thread_name_prefix="prometheus")
+        futures = {name: pool.submit(self.query, query) for name, query in promql.items()}
+        wait(futures.values(), timeout=self.deadline_seconds)
+        # Threads still waiting end on the client's own timeout (the same deadline).
+        pool.shutdown(wait=False, cancel_futures=True)
+        results: dict[str, list[tuple[dict[str, str], float]] | str] = {}
+        for name, future in futures.items():
+            if not future.done():
+                results[name] = f"no answer within {self.deadline_seconds:g} s"
+            elif isinstance(future.exception(), QueryError):
+                results[name] = str(future.exception())
+            else:
+                results[name] = future.result()
+        return results
+
     def observe(
         self, namespace: str, pods: list[str], window_seconds: int, router_pods: list[str] | None = None
     ) -> Reading:
@@ -140,11 +165,9 @@ class PrometheusSource:
             errors["router_waiting"] = "no router pods"
         elif router_pods is not None:
             promql["router_waiting"] = router_query(namespace, router_pods)
-        for name, query in promql.items():
-            try:
-                vector = self.query(query)
-            except QueryError as exc:
-                values[name], errors[name] = None, str(exc)
+        for name, vector in self._query_all(promql).items():
+            if isinstance(vector, str):
+                values[name], errors[name] = None, vector
                 continue
             finite = [v for _, v in vector if math.isfinite(v)]
             if not finite:

@@ -724,7 +724,8 @@ class CapacityStatus(_CamelModel):
 
 
 class ObservedMetrics(_CamelModel):
-    """What the autoscaler read from Prometheus at `time`; absent fields were unknown."""
+    """What the autoscaler read from Prometheus at `time`; a signal it could not read then is absent (no
+    value outlives the reading it came from)."""
 
     time: str
     ready_pods: int = Field(description="Pods Ready when the metrics were read (the query's scope).")
@@ -736,7 +737,14 @@ class ObservedMetrics(_CamelModel):
     router_requests_waiting: float | None = Field(
         default=None, description="Requests the router holds because no replica is Ready."
     )
-    errors: dict[str, str] = Field(default_factory=dict, description="Queries without a usable value.")
+    errors: dict[str, str] = Field(
+        default_factory=dict, description="Queries without a usable value at `time` (absent: none)."
+    )
+    last_successful_read_time: str | None = Field(
+        default=None,
+        description="When a reading was last usable (MetricsAvailable=True), RFC 3339: how old the last "
+        "good numbers are during an outage (the signals themselves are absent then, never stale).",
+    )
 
 
 class DecisionRecord(_CamelModel):

@@ -310,7 +310,14 @@ def history_from_status(status: dict[str, Any]) -> History:
     )
 
 
-def _metrics_status(reading: Reading, ready: int, now: str) -> dict[str, Any]:
+def _metrics_status(
+    reading: Reading, ready: int, now: str, *, usable: bool, previous: dict[str, Any]
+) -> dict[str, Any]:
+    """`status.autoscaler.metrics` as a merge patch, current or absent field by field: a signal this
+    step could not read is None (the patch deletes the value an earlier step wrote, so no number
+    outlives its reading), `errors` is None once every signal was read, and `lastSuccessfulReadTime`
+    is `now` when the reading was usable (MetricsAvailable=True), else what `previous` (the stored
+    metrics) says: how old the last good reading is."""
     o = reading.observation
     values = {
         "ttftP90Seconds": o.ttft_p90_seconds,
@@ -320,11 +327,17 @@ def _metrics_status(reading: Reading, ready: int, now: str) -> dict[str, Any]:
         "kvCacheUsage": o.kv_cache_usage,
         "routerRequestsWaiting": o.router_waiting,
     }
-    metrics: dict[str, Any] = {"time": now, "readyPods": ready}
-    metrics.update({k: round(v, 4) for k, v in values.items() if v is not None})
-    if reading.errors:
-        metrics["errors"] = dict(reading.errors)
-    return metrics
+    return {
+        "time": now,
+        "readyPods": ready,
+        **{k: None if v is None else round(v, 4) for k, v in values.items()},
+        # A merge patch merges maps key by key: None clears an earlier step's error for a signal
+        # that now reads (None for the whole map removes it once every signal reads).
+        "errors": {**dict.fromkeys(previous.get("errors") or {}), **reading.errors}
+        if reading.errors
+        else None,
+        "lastSuccessfulReadTime": now if usable else previous.get("lastSuccessfulReadTime"),
+    }
 
 
 def autoscaler_status(
@@ -391,7 +404,13 @@ def autoscaler_status(
         "conditions": conditions,
         "desiredReplicas": decision.replicas,
         "autoscaler": {
-            "metrics": _metrics_status(reading, ready, now),
+            "metrics": _metrics_status(
+                reading,
+                ready,
+                now,
+                usable=decision.metrics_available,
+                previous=stored.get("metrics") or {},
+            ),
             "decisions": decisions[-DECISIONS_KEPT:],
             "recommendations": [
                 {"at": r.at_seconds, "replicas": r.replicas} for r in history.recommendations

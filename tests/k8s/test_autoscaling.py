@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import subprocess
 import threading
 import time
@@ -27,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from conveyor.operator.render import KedaSettings, Owner, render_scaled_object
 from conveyor.operator.spec import parse_spec
 from tests.k8s.cluster import LocalCluster, go_module_file
-from tests.k8s.operator_env import CRD_PATH, ISVC_LABEL, Env, Operator, isvc
+from tests.k8s.operator_env import CRD_PATH, ISVC_LABEL, Env, Operator, container_args, isvc
 from tests.prometheus import PrometheusServer
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -292,6 +293,12 @@ def test_prometheus_outage_holds_replicas_and_says_so(auto: AutoEnv) -> None:
         )
         assert available["reason"] == "MetricsUnavailable"
         assert "holding 3 replicas" in available["message"]
+        # Status holds no number from before the outage: the signals are absent, the errors say why,
+        # and lastSuccessfulReadTime says how old the last good reading is.
+        metrics = auto.status("outage")["autoscaler"]["metrics"]
+        signals = ("ttftP90Seconds", "requestRate", "queueDepth", "runningRequests", "kvCacheUsage")
+        assert not set(signals) & set(metrics), metrics
+        assert metrics["errors"] and metrics["lastSuccessfulReadTime"] < metrics["time"], metrics
         # Read as 0 this would scale down after the 4 s window; held, it stays.
         time.sleep(8)
         assert auto.replicas("outage") == 3
@@ -303,11 +310,83 @@ def test_prometheus_outage_holds_replicas_and_says_so(auto: AutoEnv) -> None:
             "MetricsAvailable=True again",
             timeout=60,
         )
+        metrics = auto.eventually(
+            lambda: (m := auto.status("outage")["autoscaler"]["metrics"]).get("queueDepth") is not None and m,
+            "a reading after the outage",
+        )
+        assert "errors" not in metrics and metrics["lastSuccessfulReadTime"] == metrics["time"], metrics
         auto.metrics.waiting["outage"] = 0
         auto.eventually(lambda: auto.replicas("outage") == 2, "scaling to resume (down to 2)", timeout=60)
+        # The operator's log tells the outage once and the return once, not every step.
+        log = [line for line in auto.operator.log_path.read_text().splitlines() if "/outage]" in line]
+        unavailable = [line for line in log if "metrics unavailable" in line]
+        back = [line for line in log if "metrics available again" in line]
+        assert len(unavailable) == 1 and " WARNING " in unavailable[0], log
+        assert len(back) == 1 and " INFO " in back[0], log
     finally:
         auto.metrics.waiting.pop("outage", None)
         auto.delete("outage")
+
+
+class HungPrometheus:
+    """A loopback server that accepts connections and never answers; `accepted` is set on each."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = threading.Event()
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self._held.append(self.listener.accept()[0])
+            except OSError:
+                return
+            self.accepted.set()
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self._held:
+            conn.close()
+
+
+def test_a_hung_prometheus_never_delays_a_reconcile(k8s: LocalCluster, tmp_path: Path) -> None:
+    """Every autoscaling step waits out its 5 s deadline on a Prometheus that never answers; a spec
+    change made while a step waits reaches the Deployment without waiting for it."""
+    hung = HungPrometheus()
+    namespace = k8s.create_namespace("hung")
+    args = ("--prometheus-url", hung.url, "--autoscale-interval", "10")
+    env = Env(k8s, namespace, Operator(k8s, namespace, tmp_path / "operator.log", *args))
+    try:
+        env.apply(autoscaled("hung"))
+        env.wait_ready("hung")
+        available = env.eventually(
+            lambda: (c := env.condition("hung", "MetricsAvailable")) and c["status"] == "False" and c,
+            "MetricsAvailable=False",
+        )
+        assert "no answer within 5 s" in available["message"] or "ReadTimeout" in available["message"]
+        hung.accepted.clear()
+        env.eventually(hung.accepted.is_set, "an autoscaling step asking Prometheus", timeout=30)
+        changed_at = time.monotonic()
+        env.kubectl(
+            "patch", "inferenceservice", "hung", "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":48}}}'
+        )
+        env.eventually(
+            lambda: "48" in container_args(env.get("deployment", "hung") or _NO_DEPLOYMENT),
+            "the spec change in the Deployment",
+        )
+        waited = time.monotonic() - changed_at
+        # Held behind the step's lock it would wait out the rest of the 5 s deadline.
+        assert waited < 2.5, f"the reconcile waited {waited:.1f} s"
+    finally:
+        env.operator.stop()
+        hung.close()
+        k8s.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+_NO_DEPLOYMENT = {"spec": {"template": {"spec": {"containers": [{"args": []}]}}}}
 
 
 def test_a_restarted_operator_keeps_the_scale_down_window(auto: AutoEnv, tmp_path: Path) -> None:

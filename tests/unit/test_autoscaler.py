@@ -300,3 +300,117 @@ def test_observe_reads_the_router_pods_even_with_no_server_pod() -> None:
     assert not any("router" in q for q in source.query.asked)  # type: ignore[attr-defined]
     assert "router_waiting" not in reading.errors
     source.close()
+
+
+def _merge_patch(target: object, patch: object) -> object:
+    """RFC 7386 JSON merge patch, as the API server applies a status patch."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = _merge_patch(merged.get(key), value)
+    return merged
+
+
+def test_status_after_an_outage_holds_no_old_number_and_after_recovery_no_old_error() -> None:
+    """status.autoscaler.metrics is current or absent, field by field, as stored after each step."""
+    from conveyor.operator.metrics import Reading
+    from conveyor.operator.status import autoscaler_status
+
+    s = spec(minReplicas=2)
+
+    def record(stored: dict, reading: Reading, now: float) -> dict:
+        decision, history = decide(s, 2, 2, reading.observation, History(), now)
+        patch = autoscaler_status(
+            previous=stored,
+            decision=decision,
+            reading=reading,
+            history=history,
+            current=2,
+            ready=2,
+            acted=True,
+            generation=1,
+            now=f"t{now:g}",
+        )
+        return _merge_patch(stored, patch)  # type: ignore[return-value]
+
+    good = Reading(Observation(2.125, 8.0, request_rate=0.3613, running_requests=4.0, kv_cache_usage=0.5), {})
+    down = "ConnectError: [Errno 111] Connection refused"
+    outage = Reading(Observation(None, None), {q: down for q in ("ttft_p90", "queue", "request_rate")})
+    stored = record({}, good, 1)
+    assert stored["autoscaler"]["metrics"] == {
+        "time": "t1",
+        "readyPods": 2,
+        "ttftP90Seconds": 2.125,
+        "requestRate": 0.3613,
+        "queueDepth": 8.0,
+        "runningRequests": 4.0,
+        "kvCacheUsage": 0.5,
+        "lastSuccessfulReadTime": "t1",
+    }
+    stored = record(stored, outage, 2)
+    assert stored["autoscaler"]["metrics"] == {
+        "time": "t2",
+        "readyPods": 2,
+        "errors": {"queue": down, "request_rate": down, "ttft_p90": down},
+        "lastSuccessfulReadTime": "t1",
+    }
+    available = next(c for c in stored["conditions"] if c["type"] == "MetricsAvailable")
+    assert available["status"] == "False"
+    # Part of it back: the signals that read return, their errors go, the others stay as errors.
+    partly = Reading(Observation(None, 3.0, running_requests=1.0), {"ttft_p90": "no data"})
+    stored = record(stored, partly, 3)
+    assert stored["autoscaler"]["metrics"] == {
+        "time": "t3",
+        "readyPods": 2,
+        "queueDepth": 3.0,
+        "runningRequests": 1.0,
+        "errors": {"ttft_p90": "no data"},
+        "lastSuccessfulReadTime": "t3",
+    }
+    stored = record(stored, good, 4)
+    assert "errors" not in stored["autoscaler"]["metrics"]
+    assert stored["autoscaler"]["metrics"]["lastSuccessfulReadTime"] == "t4"
+    available = next(c for c in stored["conditions"] if c["type"] == "MetricsAvailable")
+    assert (available["status"], available["message"]) == ("True", "every targeted signal was read")
+
+
+def test_a_hung_prometheus_costs_one_deadline_for_all_queries() -> None:
+    """A loopback server that accepts connections and never answers: the five queries run at once and
+    each ends as a timeout within the one deadline (asked one after another they took five)."""
+    import socket
+    import threading
+    import time
+
+    from conveyor.operator.metrics import PrometheusSource
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    source = PrometheusSource(f"http://127.0.0.1:{listener.getsockname()[1]}", deadline_seconds=1.0)
+    try:
+        started = time.monotonic()
+        reading = source.observe("serving", ["llama-0"], 60)
+        elapsed = time.monotonic() - started
+    finally:
+        source.close()
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert reading.observation == Observation(None, None)
+    assert set(reading.errors) == {"ttft_p90", "request_rate", "queue", "running", "kv_usage"}
+    assert all("ReadTimeout" in e or "no answer within 1 s" in e for e in reading.errors.values()), (
+        reading.errors
+    )
+    assert elapsed < 4.0  # one deadline (1 s), not five

@@ -2,6 +2,7 @@
 tests/k8s/test_operator.py): what is applied, which events are posted, when status is written."""
 
 import copy
+import json
 import logging
 from typing import Any
 
@@ -456,3 +457,44 @@ def test_specs_whose_pods_could_not_start_are_conditions(
     planned = cluster.status_patches[-1]["conditions"][0]
     assert (planned["status"], planned["reason"]) == ("False", reason)
     assert message in planned["message"]
+
+
+def test_a_permission_lost_while_running_is_a_condition_and_one_event(
+    events: list[tuple[str, str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 403 outside an apply (here reading the PodDisruptionBudget) turns Ready False with reason
+    Forbidden and the API server's message, once, and kopf retries (ReconcileFailed)."""
+    from kubernetes.client.exceptions import ApiException
+
+    cluster = FakeCluster(LLAMA)
+    reconcile(cluster)
+    message = (
+        'poddisruptionbudgets.policy "llama" is forbidden: User "system:serviceaccount:ops:conveyor" '
+        'cannot get resource "poddisruptionbudgets" in API group "policy" in the namespace "serving"'
+    )
+    forbidden = ApiException(status=403, reason="Forbidden")
+    forbidden.body = json.dumps({"kind": "Status", "message": message})
+    real_get = cluster.get
+
+    def get(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        if kind == "PodDisruptionBudget":
+            raise forbidden
+        return real_get(api_version, kind, namespace, name)
+
+    cluster.get = get  # type: ignore[method-assign]
+    monkeypatch.setattr(handlers, "_cluster", cluster)
+    events.clear()
+    for _ in range(2):
+        with pytest.raises(handlers.ReconcileFailed, match="cannot get resource"):
+            handlers.reconcile(NAMESPACE, NAME, logging.getLogger("test"))
+    assert events == [("Warning", "Forbidden", message)]
+    assert cluster.isvc is not None
+    conditions = {c["type"]: c for c in cluster.isvc["status"]["conditions"]}
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False", "Forbidden")
+    assert conditions["Ready"]["message"] == message
+    assert conditions["CapacityPlanned"]["status"] == "True"  # the other conditions stay as they were
+    # The permission back: the next reconcile writes Ready from the Deployment again.
+    cluster.get = real_get  # type: ignore[method-assign]
+    handlers.reconcile(NAMESPACE, NAME, logging.getLogger("test"))
+    ready = next(c for c in cluster.isvc["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] != "Forbidden"
