@@ -20,7 +20,7 @@ def k8s() -> Iterator[LocalCluster]:
 
     Attributes: `kubeconfig` (Path), `api_client` (kubernetes ApiClient), `kubectl(*args)`,
     `add_nodes(NodePool(...))`, `create_namespace()`. Default nodes: one NVIDIA-A100-SXM4-80GB
-    and one NVIDIA-H100-80GB-HBM3 node with 8 `nvidia.com/gpu` each. If the binaries cannot be
+    and one NVIDIA-H100-80GB-HBM3 node with 8 `nvidia.com/gpu` each, one NVIDIA-L4 node with 4. If the binaries cannot be
     built the fixture raises the build's error: tests using it fail, never skip.
     """
     with LocalCluster() as cluster:

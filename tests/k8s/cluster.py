@@ -153,9 +153,12 @@ class NodePool:
         }
 
 
+# Every file in examples/ schedules on these (tests/k8s/test_examples.py): the L4 node is the
+# walkthroughs' (SmolLM2 on L4s), the A100 node takes Llama-3-8B and the 4-GPU Llama-3-70B replica.
 DEFAULT_NODE_POOLS: tuple[NodePool, ...] = (
     NodePool(product="NVIDIA-A100-SXM4-80GB", count=1, gpus_per_node=8),
     NodePool(product="NVIDIA-H100-80GB-HBM3", count=1, gpus_per_node=8),
+    NodePool(product="NVIDIA-L4", count=1, gpus_per_node=4),
 )
 
 

@@ -73,6 +73,7 @@ def test_nodes_ready_with_allocatable_gpus(k8s: LocalCluster) -> None:
     statuses = {line.split()[0]: line.split()[1] for line in table}
     assert statuses["a100-sxm4-80gb-0"] == "Ready"
     assert statuses["h100-80gb-hbm3-0"] == "Ready"
+    assert statuses["l4-0"] == "Ready"
 
     nodes = {
         n["metadata"]["name"]: n
@@ -84,6 +85,7 @@ def test_nodes_ready_with_allocatable_gpus(k8s: LocalCluster) -> None:
     assert a100["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
     assert a100["metadata"]["labels"]["nvidia.com/gpu.memory"] == "81920"
     assert h100["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert nodes["l4-0"]["status"]["allocatable"][GPU_RESOURCE] == "4"
 
 
 def test_gpu_requests_beyond_capacity_stay_pending(k8s: LocalCluster) -> None:
