@@ -794,9 +794,9 @@ def _decide_and_record(
     # Told once per outage, in the log as in events: not every step.
     if now_available["status"] == "False" and (was or {}).get("status") != "False":
         kopf.event(body, type="Warning", reason="MetricsUnavailable", message=now_available["message"])
-        logger.warning("metrics unavailable: %s", now_available["message"])
+        logger.warning("%s/%s: metrics unavailable: %s", namespace, name, now_available["message"])
     elif now_available["status"] == "True" and (was or {}).get("status") == "False":
-        logger.info("metrics available again: %s", now_available["message"])
+        logger.info("%s/%s: metrics available again: %s", namespace, name, now_available["message"])
     cluster.patch_status(namespace, name, patch)
 
     metrics.DECISIONS.labels(namespace, name, decision.reason).inc()

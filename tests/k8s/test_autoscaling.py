@@ -2,7 +2,8 @@
 engines against the real API server with the real CRDs.
 
 kwok's pods run no containers, so each Ready pod's `/metrics` is served by a prometheus_client exporter
-in this process that carries the server's series (`conveyor:num_requests_waiting` ...) and is scraped
+in this process that carries the server's series the operator reads (`conveyor:num_requests_waiting`,
+running requests, the TTFT histogram with no request yet, KV-cache usage) and is scraped
 by Debian's Prometheus with the pod's `namespace` and `pod` as target labels, as a ServiceMonitor
 would attach them. That exporter is the only stand-in: the operator (a real process), its queries,
 the scale subresource and status are all real. tests/e2e/test_local_cluster_e2e.py closes the loop
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 
 from conveyor.operator.render import KedaSettings, Owner, render_scaled_object
 from conveyor.operator.spec import parse_spec
@@ -61,6 +62,12 @@ class PodExporter:
             self.running = Gauge(
                 "conveyor:num_requests_running", "Requests running.", labels, registry=self.registry
             )
+            # Every signal the operator reads exists, idle: no request yet, a quarter of the KV used.
+            Histogram("conveyor:time_to_first_token_seconds", "TTFT.", labels, registry=self.registry).labels(
+                "m"
+            )
+            kv = Gauge("conveyor:kv_cache_usage_perc", "KV-cache usage.", labels, registry=self.registry)
+            kv.labels("m").set(0.25)
         registry = self.registry
 
         class Handler(BaseHTTPRequestHandler):
@@ -286,6 +293,7 @@ def test_prometheus_outage_holds_replicas_and_says_so(auto: AutoEnv) -> None:
         auto.wait_ready("outage", replicas=2)
         auto.metrics.waiting["outage"] = 3  # 6 over 2 = 3 per replica: up to 3
         auto.eventually(lambda: auto.replicas("outage") == 3, "a scale-up to 3", timeout=60)
+        log_start = len(auto.operator.log_path.read_text().splitlines())
         auto.prometheus.stop()
         available = auto.eventually(
             lambda: (c := auto.condition("outage", "MetricsAvailable")) and c["status"] == "False" and c,
@@ -310,15 +318,18 @@ def test_prometheus_outage_holds_replicas_and_says_so(auto: AutoEnv) -> None:
             "MetricsAvailable=True again",
             timeout=60,
         )
+        # Every signal reads again (rate() needs two scrapes after the restart): the errors are gone.
         metrics = auto.eventually(
-            lambda: (m := auto.status("outage")["autoscaler"]["metrics"]).get("queueDepth") is not None and m,
-            "a reading after the outage",
+            lambda: "errors" not in (m := auto.status("outage")["autoscaler"]["metrics"]) and m,
+            "a reading without errors after the outage",
         )
-        assert "errors" not in metrics and metrics["lastSuccessfulReadTime"] == metrics["time"], metrics
+        assert metrics["lastSuccessfulReadTime"] == metrics["time"], metrics
+        assert metrics["queueDepth"] == 9 and metrics["kvCacheUsage"] == 0.25, metrics
         auto.metrics.waiting["outage"] = 0
         auto.eventually(lambda: auto.replicas("outage") == 2, "scaling to resume (down to 2)", timeout=60)
         # The operator's log tells the outage once and the return once, not every step.
-        log = [line for line in auto.operator.log_path.read_text().splitlines() if "/outage]" in line]
+        lines = auto.operator.log_path.read_text().splitlines()[log_start:]
+        log = [line for line in lines if f"{auto.namespace}/outage:" in line]
         unavailable = [line for line in log if "metrics unavailable" in line]
         back = [line for line in log if "metrics available again" in line]
         assert len(unavailable) == 1 and " WARNING " in unavailable[0], log
