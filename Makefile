@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: generate images image-tools serve test bench bench-peers bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
+.PHONY: docs docs-serve generate images image-tools serve test bench bench-peers bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
 
 install: $(STAMP)
 
@@ -82,12 +82,22 @@ k8s-tools:
 cluster: $(STAMP) k8s-tools prometheus
 	$(PY) tests/k8s/cluster.py $(ARGS)
 
-# The generated files: the CRD (from operator/spec.py), the chart's values.schema.json and README's values
-# table (from operator/chart.py). Tests fail when any is stale.
+# The generated files: the CRD (from operator/spec.py), the chart's values.schema.json (operator/chart.py)
+# and ClusterRole rules (operator/permissions.py), and the docs' reference pages (hack/docs_reference.py).
+# Tests fail when any is stale.
 generate: $(STAMP)
 	$(VENV)/bin/conveyor crd -o crds/serving.conveyor.dev_inferenceservices.yaml \
 	  -o charts/conveyor/crds/serving.conveyor.dev_inferenceservices.yaml
 	$(PY) -m conveyor.operator.chart
+	$(PY) hack/docs_reference.py
+
+# The documentation site (docs/, mkdocs.yml): built strictly into site/ (a broken link fails), or served
+# with live reload on 127.0.0.1:8001.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,7 @@
 """Render a Grafana dashboard's JSON (charts/conveyor/dashboards/conveyor.json) without Grafana: each
 panel's queries over Prometheus' `query_range` API, drawn with matplotlib in the dashboard's grid.
 
-This is how README's picture of the dashboard is made, and how tests/e2e/test_dashboard.py checks that
+This is how the Helm guide's picture of the dashboard is made, and how tests/e2e/test_dashboard.py checks that
 every panel finds the series a real server exports. Grafana's variables are substituted textually:
 `$__rate_interval` by `rate_interval`, `$name` by `variables[name]`, and legends' `{{label}}` by the
 series' labels.

@@ -3,7 +3,7 @@ load, scraped by a real Prometheus with the labels a ServiceMonitor gives: every
 find data, and the dashboard renders (benchmarks/dashboard.py). The two autoscaler panels read the
 operator's series, which no operator exports here: they must parse and come back empty.
 
-CONVEYOR_DASHBOARD_PNG=PATH keeps the picture (README's is made so).
+CONVEYOR_DASHBOARD_PNG=PATH keeps the picture (the Helm guide's is made so).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The local cluster's whole loop (README, "Local Kubernetes cluster (no GPU needed)") as a test.
+"""The local cluster's whole loop (docs/guides/local-cluster.md) as a test.
 
 Everything is real and runs as on a user's machine after `make cluster`: the control plane with a
 simulated L4 node, process-backed pods (`tests/k8s/local_pods.py`) running the `conveyor serve` and
@@ -41,7 +41,7 @@ SERVER_START_TIMEOUT = 300.0  # the first start converts the embedded model; 2 c
 
 
 def manifest(*, router: bool) -> dict[str, Any]:
-    """The README's example with windows a test can wait for."""
+    """The walkthrough's example with windows a test can wait for."""
     body = yaml.safe_load(EXAMPLE.read_text())
     assert body["metadata"]["name"] == NAME
     body["spec"]["autoscaling"].update(
@@ -70,7 +70,7 @@ def chat(url: str) -> str:
 
 
 def bench(url: str, log: Path) -> subprocess.Popen:
-    """`conveyor bench` as in the README: far more concurrency than 4 sequences per replica hold."""
+    """`conveyor bench` as in the walkthrough: far more concurrency than 4 sequences per replica hold."""
     exe = Path(sys.executable).with_name("conveyor")
     args = [str(exe), "bench", "--base-url", url, "--dataset-name", "random", "--num-prompts", "400"]
     args += ["--input-len", "32", "--output-len", "64", "--max-concurrency", "12", "--disable-tqdm"]

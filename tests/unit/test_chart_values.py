@@ -13,10 +13,8 @@ from pydantic import ValidationError
 
 from conveyor.operator.chart import (
     CHART,
-    README_PATH,
     SCHEMA_PATH,
     ChartValues,
-    readme_with_table,
     schema_text,
 )
 
@@ -25,11 +23,6 @@ REGENERATE = "stale: run `make generate`"
 
 def test_values_schema_json_is_generated_from_the_model() -> None:
     assert SCHEMA_PATH.read_text() == schema_text(), REGENERATE
-
-
-def test_readme_values_table_is_generated_from_the_model() -> None:
-    readme = README_PATH.read_text()
-    assert readme_with_table(readme) == readme, REGENERATE
 
 
 def test_values_yaml_holds_exactly_the_models_defaults() -> None:

@@ -1,19 +1,11 @@
-"""`conveyor serve` flags come from the config models, and README documents every one of them."""
+"""`conveyor serve` flags come from the config models (the docs' flag page is generated from the same
+parser: tests/unit/test_docs_site.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from conveyor.server.cli import build_parser
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def serve_flags() -> list[str]:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    return [opt for action in serve._actions for opt in action.option_strings if opt.startswith("--")]
 
 
 def test_flags_map_one_to_one_to_config_fields():
@@ -27,11 +19,6 @@ def test_flags_map_one_to_one_to_config_fields():
         "static",
     )
     assert args.max_num_batched_tokens is None  # unset flags fall back to the model's default
-
-
-@pytest.mark.parametrize("flag", [f for f in serve_flags() if f not in ("--help", "--log-level")])
-def test_readme_documents_every_serve_flag(flag):
-    assert f"`{flag}`" in README.read_text(), f"README's serving configuration lacks {flag}"
 
 
 def test_bad_choice_is_rejected():
