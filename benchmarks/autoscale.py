@@ -118,7 +118,7 @@ def calibrate(max_batch: int, max_num_batched_tokens: int) -> Calibration:
     from conveyor.benchmarks.server_process import ConveyorServer
     from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from conveyor.server.engine.engine import LLMEngine
-    from conveyor.server.engine.request import SamplingParams
+    from conveyor.server.messages import SamplingParams
     from conveyor.server.model import loader
 
     # Start-up first: an engine in this process would compete with the server for the cores. The

@@ -103,7 +103,7 @@ def weight_bytes_read_per_step(shape, dtype: torch.dtype) -> int:
 def run_batch(engine, batch: int, input_len: int, output_len: int, vocab_size: int) -> tuple[float, list]:
     """Add `batch` requests and step until they finish. Returns (wall seconds, [(step seconds,
     tokens per scheduled sequence)] per step)."""
-    from conveyor.server.engine.request import SamplingParams
+    from conveyor.server.messages import SamplingParams
 
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

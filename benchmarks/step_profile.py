@@ -113,7 +113,7 @@ def instrument(engine) -> StageTimer:
 
 def _run(engine, samples, tag: str) -> tuple[int, int, float]:
     """All `samples` at once, stepped to the end. Returns (steps, output tokens, wall seconds)."""
-    from conveyor.server.engine.request import SamplingParams
+    from conveyor.server.messages import SamplingParams
 
     for i, sample in enumerate(samples):
         params = SamplingParams(temperature=0.0, max_tokens=sample.output_len, ignore_eos=True)

@@ -57,8 +57,7 @@ class ModeResult:
 
 def run_mode(engine, mode: str, batch: int, output_len: int, tag: str) -> ModeResult:
     """Add `batch` requests constrained as `mode` (a key of MODES) and step until all finish."""
-    from conveyor.server.engine.request import SamplingParams
-    from conveyor.server.engine.structured_output import StructuredOutputParams
+    from conveyor.server.messages import SamplingParams, StructuredOutputParams
 
     constraint = MODES[mode]
     so = StructuredOutputParams(constraint[0], constraint[1], "bench") if constraint else None

@@ -164,7 +164,7 @@ def metrics_page() -> str:
 
     from conveyor.operator import metrics as operator_metrics  # noqa: F401  (registers the operator's series)
     from conveyor.server.api.metrics import EngineMetrics
-    from conveyor.server.engine.engine import EngineLimits
+    from conveyor.server.messages import EngineLimits
     from conveyor.server.router.metrics import RouterMetrics
 
     limits = EngineLimits(

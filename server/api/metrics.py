@@ -1,16 +1,21 @@
 """Prometheus metrics, observed where the events happen. Names are vLLM's with the `conveyor:` prefix
 (DESIGN.md, "Metrics"), so dashboards and autoscaling rules written for vLLM port over.
 
-Each server has its own CollectorRegistry (several engines can live in one test process).
+Each server has its own CollectorRegistry (several engines can live in one test process). No torch and
+no engine module is imported here: the chart's values model reads the bucket bounds, and the docs read
+the series.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from conveyor.server.engine.engine import EngineLimits
-from conveyor.server.engine.request import Request
-from conveyor.server.engine.stats import SchedulerStats
+from conveyor.server.messages import EngineLimits, SchedulerStats
+
+if TYPE_CHECKING:  # the engine's request type, for annotations only: this module imports no engine code
+    from conveyor.server.engine.request import Request
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

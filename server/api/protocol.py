@@ -22,8 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from conveyor.server.engine.request import MAX_LOGPROBS, SamplingParams
-from conveyor.server.engine.structured_output import StructuredOutputParams
+from conveyor.server.messages import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 
 
 def start_limit(name: str) -> dict[str, str]:

@@ -17,10 +17,8 @@ from conveyor.server.api.errors import APIError
 from conveyor.server.api.prompts import PromptError
 from conveyor.server.config import ServerConfig
 from conveyor.server.engine.async_engine import AsyncEngine
-from conveyor.server.engine.output import RequestOutput
-from conveyor.server.engine.request import Logprob, SamplingParams
-from conveyor.server.engine.structured_output import StructuredOutputParams
 from conveyor.server.engine.validation import InvalidRequestError
+from conveyor.server.messages import Logprob, RequestOutput, SamplingParams, StructuredOutputParams
 
 
 @dataclass

@@ -16,8 +16,7 @@ from conveyor.server.api.sse import sse_response
 from conveyor.server.api.tools import TOOL_CALL_PARSERS, ToolCallReader, tool_call_json
 from conveyor.server.config import ServerConfig
 from conveyor.server.engine.async_engine import AsyncEngine
-from conveyor.server.engine.output import RequestOutput
-from conveyor.server.engine.request import Logprob
+from conveyor.server.messages import Logprob, RequestOutput
 
 
 class ChatServing(OpenAIServing):

@@ -12,7 +12,7 @@ from conveyor.server.api.prompts import completion_prompt_ids
 from conveyor.server.api.protocol import CompletionRequest
 from conveyor.server.api.serving import Choice, OpenAIServing, usage
 from conveyor.server.api.sse import sse_response
-from conveyor.server.engine.output import RequestOutput
+from conveyor.server.messages import RequestOutput
 
 
 class CompletionServing(OpenAIServing):

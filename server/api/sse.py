@@ -9,8 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from conveyor.server.api.errors import APIError
 from conveyor.server.api.serving import usage
-from conveyor.server.engine.kv_cache import KVCacheEvent, KVCacheSnapshot
-from conveyor.server.engine.output import RequestOutput
+from conveyor.server.messages import KVCacheEvent, KVCacheSnapshot, RequestOutput
 
 
 def sse_response(

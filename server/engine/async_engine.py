@@ -25,9 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from conveyor.server.engine.engine import LLMEngine
-from conveyor.server.engine.kv_cache import KVCacheEvent, KVCacheSnapshot
-from conveyor.server.engine.output import RequestOutput
-from conveyor.server.engine.request import SamplingParams
+from conveyor.server.messages import KVCacheEvent, KVCacheSnapshot, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ back until it cannot.
 
 from __future__ import annotations
 
-from conveyor.server.engine.request import SamplingParams
+from conveyor.server.messages import SamplingParams
 
 # Prompt tokens decoded with the first output tokens, so tokenizers that drop a word's leading space
 # when it starts the text (SentencePiece) still produce it.

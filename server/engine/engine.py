@@ -18,12 +18,13 @@ from conveyor.kernels import onednn, select_backend
 from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB, check_prompt_fits_step
 from conveyor.server.engine.kv_cache import KVCacheManager
-from conveyor.server.engine.output import OutputProcessor, RequestOutput
-from conveyor.server.engine.request import FinishReason, Request, SamplingParams
+from conveyor.server.engine.output import OutputProcessor
+from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import SchedulerOutput, make_scheduler
 from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.engine.structured_output import StructuredOutputManager
 from conveyor.server.engine.validation import validate_request
+from conveyor.server.messages import EngineLimits, FinishReason, RequestOutput, SamplingParams
 from conveyor.server.model import loader
 from conveyor.server.model.models.llama import ModelShape
 from conveyor.server.model.parallel import partition
@@ -34,18 +35,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * GiB
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What the engine settled at start: KV pool (`num_kv_blocks` blocks of `block_size` tokens) and the
-    scheduler's limits (`/metrics` exports them as vLLM's `cache_config_info` and `scheduler_config_info`)."""
-
-    block_size: int
-    num_kv_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
 
 
 @dataclass

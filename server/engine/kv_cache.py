@@ -12,44 +12,12 @@ track which prefix blocks a replica holds; `snapshot()` gives the set itself to 
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Literal
 
+from conveyor.server.block_hash import hash_block
 from conveyor.server.engine.request import Request
-from conveyor.server.engine.stats import PrefixCacheStats
-
-
-def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """Identity of a full block: a 128-bit BLAKE2b digest of its parent's hash and its token ids."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash or b"root")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
-
-
-@dataclass
-class KVCacheEvent:
-    """A change to the set of cached block hashes (the keys of `KVCacheManager.cached_blocks`).
-
-    kind: `stored` (the hashes became cached), `evicted` (they stopped being cached) or `cleared` (the
-    set is now empty; `block_hashes` is empty). block_hashes: 16-byte `hash_block` digests, in the
-    order the changes happened.
-    """
-
-    kind: Literal["stored", "evicted", "cleared"]
-    block_hashes: list[bytes] = field(default_factory=list)
-
-
-@dataclass
-class KVCacheSnapshot:
-    """The set of cached block hashes at one moment, with the pool's shape (tokens per block, blocks)."""
-
-    block_size: int
-    num_blocks: int
-    block_hashes: list[bytes]
+from conveyor.server.messages import KVCacheEvent, KVCacheSnapshot, PrefixCacheStats
 
 
 class KVCacheManager:

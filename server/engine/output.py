@@ -13,31 +13,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from conveyor.server.engine.detokenizer import IncrementalDetokenizer
-from conveyor.server.engine.request import FinishReason, Logprob, Request
+from conveyor.server.engine.request import Request
 from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.engine.structured_output import StructuredOutputManager
+from conveyor.server.messages import FinishReason, Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request. Times in seconds (time.monotonic)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[Logprob]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    # Set when the request ended as an error of its own (the API answers 400 with it).
-    error: str | None = None
 
 
 def stop_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from conveyor.server.config import SchedulerConfig
 from conveyor.server.engine.kv_cache import KVCacheManager
-from conveyor.server.engine.request import FinishReason, Request, RequestStatus
-from conveyor.server.engine.stats import SchedulerStats
+from conveyor.server.engine.request import Request, RequestStatus
+from conveyor.server.messages import FinishReason, SchedulerStats
 
 
 @dataclass

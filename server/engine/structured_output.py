@@ -18,28 +18,11 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import xgrammar as xgr
 
-StructuredOutputKind = Literal["json", "json_object", "regex", "choice", "grammar"]
-
-
-@dataclass(frozen=True)
-class StructuredOutputParams:
-    """What a request's output must match.
-
-    kind: `json` (spec: a JSON schema as JSON text), `json_object` (any JSON object; spec unused),
-    `regex` (spec: a regular expression the whole output matches), `choice` (spec: a JSON list of
-    strings; the output is exactly one of them), `grammar` (spec: an EBNF grammar in xgrammar's
-    dialect, rule `root`). param: the request field it came from, named in errors.
-    """
-
-    kind: StructuredOutputKind
-    spec: str = ""
-    param: str = "response_format"
+from conveyor.server.messages import StructuredOutputParams
 
 
 class InvalidGrammarError(ValueError):

@@ -3,8 +3,8 @@ whose `param` names the field, as OpenAI's 400 bodies do (the API layer has chec
 
 from __future__ import annotations
 
-from conveyor.server.engine.request import SamplingParams
 from conveyor.server.engine.structured_output import InvalidGrammarError, StructuredOutputManager
+from conveyor.server.messages import SamplingParams
 
 
 class InvalidRequestError(ValueError):

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.server.engine.request import MAX_LOGPROBS, Request
+from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import SchedulerOutput
 from conveyor.server.engine.structured_output import grammar_bitmask
+from conveyor.server.messages import MAX_LOGPROBS
 from conveyor.server.model.models.llama import LlamaForCausalLM
 from conveyor.server.model.sampler import (
     Penalties,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.server.engine.request import Logprob
 from conveyor.server.engine.structured_output import apply_grammar_bitmask
+from conveyor.server.messages import Logprob
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from conveyor.server.engine.kv_cache import hash_block
+from conveyor.server.block_hash import hash_block
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:

@@ -8,7 +8,7 @@ import torch
 
 from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.server.engine.engine import LLMEngine
-from conveyor.server.engine.request import SamplingParams
+from conveyor.server.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 

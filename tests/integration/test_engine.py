@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.server.engine.request import SamplingParams
+from conveyor.server.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import torch
 
 from conveyor.operator import catalog
 from conveyor.server.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
-from conveyor.server.engine.request import SamplingParams
+from conveyor.server.messages import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -651,7 +651,7 @@ def tiny_llama_dir(save_tiny_llama) -> str:
 def _greedy_tokens(model_dir: str, backend: str, prompts: list[str]) -> list[list[int]]:
     from conveyor.server.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
     from conveyor.server.engine.engine import LLMEngine
-    from conveyor.server.engine.request import SamplingParams
+    from conveyor.server.messages import SamplingParams
 
     engine = LLMEngine(
         EngineConfig(

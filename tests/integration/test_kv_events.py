@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conveyor.server.engine.kv_cache import hash_block
+from conveyor.server.block_hash import hash_block
 
 pytestmark = pytest.mark.slow
 

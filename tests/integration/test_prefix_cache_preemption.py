@@ -12,8 +12,8 @@ import pytest
 
 from conveyor.server.config import SchedulerConfig
 from conveyor.server.engine.kv_cache import KVCacheManager
-from conveyor.server.engine.request import SamplingParams
 from conveyor.server.engine.scheduler import make_scheduler
+from conveyor.server.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 

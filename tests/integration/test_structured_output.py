@@ -387,9 +387,8 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(engine) -> No
     produces with the pool to itself, and every output validates."""
     from conveyor.server.config import SchedulerConfig
     from conveyor.server.engine.kv_cache import KVCacheManager
-    from conveyor.server.engine.request import SamplingParams
     from conveyor.server.engine.scheduler import make_scheduler
-    from conveyor.server.engine.structured_output import StructuredOutputParams
+    from conveyor.server.messages import SamplingParams, StructuredOutputParams
 
     assert not engine.has_unfinished_requests()
     prefix = engine.tokenizer("You are a helpful assistant that only answers in JSON. " * 3)["input_ids"]

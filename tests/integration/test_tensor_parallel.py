@@ -58,7 +58,7 @@ def _greedy(
         SchedulerConfig,
     )
     from conveyor.server.engine.engine import LLMEngine
-    from conveyor.server.engine.request import SamplingParams
+    from conveyor.server.messages import SamplingParams
 
     start = time.monotonic()
     engine = LLMEngine(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.server.engine.detokenizer import IncrementalDetokenizer
-from conveyor.server.engine.request import SamplingParams
+from conveyor.server.messages import SamplingParams
 
 
 @pytest.fixture(scope="module")

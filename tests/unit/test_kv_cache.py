@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from conveyor.server.engine.kv_cache import KVCacheManager
-from conveyor.server.engine.request import Request, SamplingParams
+from conveyor.server.engine.request import Request
+from conveyor.server.messages import SamplingParams
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:
@@ -79,7 +80,7 @@ def test_freed_cached_blocks_are_reused_until_evicted_lru():
 
 
 def a_blocks_first(kv: KVCacheManager, tokens: list[int]) -> list[int]:
-    from conveyor.server.engine.kv_cache import hash_block
+    from conveyor.server.block_hash import hash_block
 
     return [kv.cached_blocks[hash_block(None, tokens)]]
 
@@ -93,7 +94,7 @@ def test_no_prefix_caching_never_hits():
 
 
 def hash_chain(tokens: list[int], block_size: int) -> list[bytes]:
-    from conveyor.server.engine.kv_cache import hash_block
+    from conveyor.server.block_hash import hash_block
 
     hashes: list[bytes] = []
     for i in range(len(tokens) // block_size):

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import asyncio
 
+from conveyor.server.block_hash import hash_block
 from conveyor.server.engine.async_engine import AsyncEngine
-from conveyor.server.engine.kv_cache import KVCacheEvent, KVCacheManager, KVCacheSnapshot, hash_block
-from conveyor.server.engine.output import RequestOutput
-from conveyor.server.engine.request import FinishReason, Request, SamplingParams
+from conveyor.server.engine.kv_cache import KVCacheManager
+from conveyor.server.engine.request import Request
+from conveyor.server.messages import (
+    FinishReason,
+    KVCacheEvent,
+    KVCacheSnapshot,
+    RequestOutput,
+    SamplingParams,
+)
 
 BLOCK = 4
 

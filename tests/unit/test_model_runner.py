@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import torch
 
 from conveyor.kernels import reference as ref
-from conveyor.server.engine.request import Request, SamplingParams
+from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import ScheduledRequest, SchedulerOutput
+from conveyor.server.messages import SamplingParams
 from conveyor.server.model.runner import ModelRunner
 from tests.tiny_llama import tiny_llama
 

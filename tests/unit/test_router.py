@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.server.engine.kv_cache import KVCacheManager
-from conveyor.server.engine.request import Request, SamplingParams
+from conveyor.server.engine.request import Request
+from conveyor.server.messages import SamplingParams
 from conveyor.server.router.config import RouterConfig
 from conveyor.server.router.endpoints import Endpoint, read_metrics, slice_urls
 from conveyor.server.router.prefix import PrefixIndex, block_hashes

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from conveyor.server.engine.request import Request, SamplingParams
+from conveyor.server.engine.request import Request
+from conveyor.server.messages import SamplingParams
 from conveyor.server.model import sampler
 from conveyor.server.model.runner import build_sampling_metadata
 

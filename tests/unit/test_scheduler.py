@@ -13,8 +13,9 @@ from conveyor.server.config import SchedulerConfig
 from conveyor.server.engine import scheduler as scheduling
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.output import stop_reason
-from conveyor.server.engine.request import FinishReason, Request, SamplingParams
+from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import Scheduler
+from conveyor.server.messages import FinishReason, SamplingParams
 
 MAX_MODEL_LEN = 4096
 _clock = itertools.count()

@@ -1,0 +1,15 @@
+"""The identity of a full KV block, shared by the engine's prefix cache and the router's prefix index (the
+router must name a prompt's blocks exactly as the replica will)."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """Identity of a full block: a 128-bit BLAKE2b digest of its parent's hash and its token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"root")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
