@@ -6,8 +6,8 @@ Pure Python: no torch import, so the operator image stays small. Formulas (DESIG
     kv_bytes_per_token = 2 * num_layers * (num_kv_heads / tensor_parallel_size) * head_dim * dtype_bytes
     kv_pool_bytes      = gpu_memory_bytes * gpu_memory_utilization * num_gpus - weight_bytes
                          - activation_reserve_bytes
-    max_num_seqs       = floor(kv_pool_bytes / (kv_bytes_per_token_all_gpus * max_model_len))
     num_kv_blocks      = floor(kv_pool_bytes / (kv_bytes_per_token_all_gpus * block_size))
+    max_num_seqs       = floor(num_kv_blocks * block_size / max_model_len)      (whole blocks only)
 
 `kv_bytes_per_token` is reported per GPU (what one GPU stores for one token); the pool spans all
 `num_gpus`, so pool divisions use the per-token bytes summed over the tensor-parallel group. `partition`
@@ -16,7 +16,6 @@ is how tensor parallelism splits a model's heads over ranks, the rule behind `nu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 DTYPE_BYTES: dict[str, int] = {
@@ -122,20 +121,27 @@ def plan_capacity(
     if required >= usable:
         raise InsufficientGPUMemoryError(required, usable)
     pool = usable - required
-    per_token_all = per_gpu * tp
+    num_blocks = num_kv_blocks_for_pool(pool, per_gpu * tp, block_size)
     return CapacityPlan(
         kv_bytes_per_token=per_gpu,
         kv_pool_bytes=pool,
-        max_num_seqs=math.floor(pool / (per_token_all * max_model_len)),
-        num_kv_blocks=math.floor(pool / (per_token_all * block_size)),
+        max_num_seqs=max_num_seqs_for_blocks(num_blocks, block_size, max_model_len),
+        num_kv_blocks=num_blocks,
         block_size=block_size,
         max_model_len=max_model_len,
     )
 
 
 def num_kv_blocks_for_pool(kv_pool_bytes: int, kv_bytes_per_token_all_gpus: int, block_size: int) -> int:
-    """Blocks of `block_size` tokens that fit in a pool of `kv_pool_bytes` bytes (server start-up)."""
+    """Blocks of `block_size` tokens that fit in a pool of `kv_pool_bytes` bytes."""
     return kv_pool_bytes // (kv_bytes_per_token_all_gpus * block_size)
+
+
+def max_num_seqs_for_blocks(num_kv_blocks: int, block_size: int, max_model_len: int) -> int:
+    """Sequences of `max_model_len` tokens whose KV fits in `num_kv_blocks` blocks at once: the one
+    `max_num_seqs` rule, for the operator's plan and the server's start-up alike (whole blocks only, so
+    it can be one less than pool bytes / (bytes per token x max_model_len))."""
+    return num_kv_blocks * block_size // max_model_len
 
 
 @dataclass(frozen=True)

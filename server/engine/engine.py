@@ -151,7 +151,7 @@ class LLMEngine:
             )
         sc = config.scheduler
         check_prompt_fits_step(sc, self.max_model_len)  # max_model_len may be the model's own here
-        fits = pool_tokens // self.max_model_len
+        fits = capacity.max_num_seqs_for_blocks(num_blocks, cc.block_size, self.max_model_len)
         max_num_seqs = config.scheduler.max_num_seqs or fits
         if max_num_seqs > fits:
             logger.warning(
