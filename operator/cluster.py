@@ -103,8 +103,6 @@ class Cluster:
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
-        self.authorization = client.AuthorizationV1Api(api_client)
-        self.authentication = client.AuthenticationV1Api(api_client)
         self._apis: dict[tuple[str, str], bool] = {}
         # The dynamic client keeps discovery in a file under /tmp and trusts it across restarts:
         # start from the server's answer, and read it again every DISCOVERY_TTL_SECONDS.
@@ -276,23 +274,43 @@ class Cluster:
             if exc.status != 404:
                 raise
 
-    def namespaces(self) -> list[str]:
-        """The names of every namespace."""
-        return [n.metadata.name for n in self.core.list_namespace().items]
+
+class AccessReview:
+    """What the operator asks the API server before it starts (run.py): who it is, whether it may do
+    each thing it needs, whether kopf's peering CRDs exist. Every call is bounded by `timeout_seconds`
+    (a hung API server fails the start instead of hanging it); errors are the client's
+    (ApiException, urllib3's HTTPError)."""
+
+    def __init__(self, api_client: client.ApiClient, timeout_seconds: float = 10.0) -> None:
+        self.authorization = client.AuthorizationV1Api(api_client)
+        self.authentication = client.AuthenticationV1Api(api_client)
+        self.extensions = client.ApiextensionsV1Api(api_client)
+        self.timeout = timeout_seconds
 
     def identity(self) -> str | None:
         """The user name the API server knows these credentials by (SelfSubjectReview), or None when
         it cannot say."""
         try:
-            review = self.authentication.create_self_subject_review(client.V1SelfSubjectReview())
+            review = self.authentication.create_self_subject_review(
+                client.V1SelfSubjectReview(), _request_timeout=self.timeout
+            )
         except ApiException:
             return None
         return review.status.user_info.username if review.status and review.status.user_info else None
 
+    def has_crd(self, name: str) -> bool:
+        """Whether the CustomResourceDefinition `name` (e.g. kopfpeerings.kopf.dev) is installed."""
+        try:
+            self.extensions.read_custom_resource_definition(name, _request_timeout=self.timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
     def missing_permissions(self, checks: list[Check]) -> list[Check]:
         """The checks the API server denies these credentials, asked as SelfSubjectAccessReviews (every
-        authenticated identity may ask about itself), a few at a time. Raises ApiException when the
-        API server cannot be asked."""
+        authenticated identity may ask about itself), a few at a time."""
 
         def allowed(check: Check) -> bool:
             resource, _, subresource = check.resource.partition("/")
@@ -307,7 +325,10 @@ class Cluster:
                     )
                 )
             )
-            return bool(self.authorization.create_self_subject_access_review(review).status.allowed)
+            answer = self.authorization.create_self_subject_access_review(
+                review, _request_timeout=self.timeout
+            )
+            return bool(answer.status.allowed)
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             answers = list(pool.map(allowed, checks))

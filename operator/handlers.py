@@ -78,8 +78,10 @@ from conveyor.operator.status import (
 )
 from conveyor.server.cli import ServeArgsError
 
-# kopf memo key of an InferenceService's autoscaler history.
+# kopf memo keys of an InferenceService: its autoscaler history, whether its metrics were available
+# at this process's last step (for the log).
 HISTORY_MEMO_KEY = "autoscaler_history"
+METRICS_MEMO_KEY = "metrics_available"
 
 # Condition reasons for specs that cannot be planned, by exception class name.
 FAILURE_REASONS = {
@@ -791,12 +793,16 @@ def _decide_and_record(
         kopf.event(body, type="Normal", reason=reason, message=decision.message)
     was = next((c for c in previous.get("conditions") or [] if c.get("type") == METRICS_AVAILABLE), None)
     now_available = next(c for c in patch["conditions"] if c["type"] == METRICS_AVAILABLE)
-    # Told once per outage, in the log as in events: not every step.
-    if now_available["status"] == "False" and (was or {}).get("status") != "False":
+    # Told once per outage, not every step: the Event when the condition turns False; the log when
+    # this operator process sees the change (a restarted operator logs an outage still going on).
+    available = now_available["status"] == "True"
+    if not available and (was or {}).get("status") != "False":
         kopf.event(body, type="Warning", reason="MetricsUnavailable", message=now_available["message"])
+    if not available and memo.get(METRICS_MEMO_KEY) is not False:
         logger.warning("%s/%s: metrics unavailable: %s", namespace, name, now_available["message"])
-    elif now_available["status"] == "True" and (was or {}).get("status") == "False":
+    elif available and memo.get(METRICS_MEMO_KEY) is False:
         logger.info("%s/%s: metrics available again: %s", namespace, name, now_available["message"])
+    memo[METRICS_MEMO_KEY] = available
     cluster.patch_status(namespace, name, patch)
 
     metrics.DECISIONS.labels(namespace, name, decision.reason).inc()

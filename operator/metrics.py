@@ -119,6 +119,8 @@ class PrometheusSource:
         """The instant vector of `promql` as [(labels, value)]; raises QueryError."""
         try:
             response = self._client.get(f"{self.url}/api/v1/query", params={"query": promql})
+        except httpx.TimeoutException as exc:
+            raise QueryError(self._timeout_message()) from exc
         except httpx.HTTPError as exc:
             raise QueryError(f"{type(exc).__name__}: {exc}") from exc
         try:
@@ -132,6 +134,9 @@ class PrometheusSource:
             return [({}, float(data["result"][1]))]
         return [(item.get("metric", {}), float(item["value"][1])) for item in data.get("result", [])]
 
+    def _timeout_message(self) -> str:
+        return f"no answer within {self.deadline_seconds:g} s"
+
     def _query_all(self, promql: dict[str, str]) -> dict[str, list[tuple[dict[str, str], float]] | str]:
         """Each query's vector, or its error text; all at once, within the deadline."""
         if not promql:
@@ -144,7 +149,7 @@ class PrometheusSource:
         results: dict[str, list[tuple[dict[str, str], float]] | str] = {}
         for name, future in futures.items():
             if not future.done():
-                results[name] = f"no answer within {self.deadline_seconds:g} s"
+                results[name] = self._timeout_message()
             elif isinstance(future.exception(), QueryError):
                 results[name] = str(future.exception())
             else:

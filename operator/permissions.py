@@ -4,12 +4,12 @@
 
 Pure: `required_checks` turns the rules into the (verb, group, resource, namespace) questions for the
 namespaces the operator watches, and `missing_message` words the answer. The questions are put to the
-API server by `Cluster.missing_permissions` (SelfSubjectAccessReview, one per question).
+API server by `AccessReview.missing_permissions` in cluster.py (SelfSubjectAccessReview, one per
+question).
 """
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 # The rules block of charts/conveyor/templates/rbac.yaml lies between these lines.
@@ -26,7 +26,8 @@ class Rule:
 
     `why` becomes the rule's comment in the chart. `cluster_scoped` rules are checked once without a
     namespace; the others in every namespace watched. `peering` rules are needed only with peering
-    (not with `--standalone`).
+    (not with `--standalone`), `patterns` rules only when a watched namespace is a glob pattern (kopf
+    then watches namespaces to find those that match).
     """
 
     api_groups: tuple[str, ...]
@@ -35,6 +36,7 @@ class Rule:
     why: str = ""
     cluster_scoped: bool = False
     peering: bool = False
+    patterns: bool = False
 
 
 RULES: tuple[Rule, ...] = (
@@ -105,7 +107,7 @@ RULES: tuple[Rule, ...] = (
         "kopf: notice CRDs and namespaces appearing, and peering between operator replicas.",
         cluster_scoped=True,
     ),
-    Rule(("",), ("namespaces",), READ_VERBS, cluster_scoped=True),
+    Rule(("",), ("namespaces",), READ_VERBS, cluster_scoped=True, patterns=True),
     Rule(
         ("kopf.dev",),
         ("clusterkopfpeerings",),
@@ -128,10 +130,26 @@ class Check:
     namespace: str = ""
 
     def describe(self) -> str:
-        """`watch inferenceservices.serving.conveyor.dev in namespace llm`, as kubectl names it."""
-        name = f"{self.resource}.{self.group}" if self.group else self.resource
-        where = f" in namespace {self.namespace}" if self.namespace else ""
+        """`watch inferenceservices.serving.conveyor.dev in namespace llm` (a subresource as
+        `inferenceservices.serving.conveyor.dev/status`), as kubectl names it; `in every namespace`
+        for a namespaced resource asked about cluster-wide."""
+        resource, _, subresource = self.resource.partition("/")
+        name = f"{resource}.{self.group}" if self.group else resource
+        name += f"/{subresource}" if subresource else ""
+        if self.namespace:
+            where = f" in namespace {self.namespace}"
+        else:
+            where = "" if (resource, self.group) in _CLUSTER_SCOPED else " in every namespace"
         return f"{self.verb} {name}{where}"
+
+
+_CLUSTER_SCOPED = {
+    (resource.partition("/")[0], group)
+    for rule in RULES
+    if rule.cluster_scoped
+    for group in rule.api_groups
+    for resource in rule.resources
+}
 
 
 def is_pattern(namespace: str) -> bool:
@@ -139,36 +157,35 @@ def is_pattern(namespace: str) -> bool:
     return any(c in namespace for c in "*?[")
 
 
-def required_checks(
-    namespaces: list[str], *, peering: bool, existing_namespaces: list[str] | None = None
-) -> list[Check]:
+def required_checks(namespaces: list[str], *, peering: bool) -> list[Check]:
     """Every check the operator must pass before it starts, sorted.
 
     namespaces: the watched namespaces as `--namespace` gives them (glob patterns allowed; empty = the
-    whole cluster). Namespaced rules are checked in each named namespace, in each of
-    `existing_namespaces` that a pattern matches (a pattern matching none needs nothing yet), or, for
-    the whole cluster, across all namespaces. peering: whether kopf's peering runs (its KopfPeering in
-    each namespace, or its ClusterKopfPeering cluster-wide).
+    whole cluster). Namespaced rules are checked in each named namespace, and across all namespaces
+    for the whole cluster or a glob pattern (a pattern matches namespaces created later too, so what
+    it needs must hold in any of them). peering: whether kopf's peering runs (its KopfPeering in each
+    namespace, or its ClusterKopfPeering cluster-wide).
     """
-    scopes: list[str] = []
-    for pattern in namespaces:
-        if is_pattern(pattern):
-            scopes += [n for n in existing_namespaces or [] if fnmatch.fnmatch(n, pattern)]
-        else:
-            scopes.append(pattern)
+    patterns = any(is_pattern(n) for n in namespaces)
     clusterwide = not namespaces
+    scopes = sorted({n for n in namespaces if not is_pattern(n)} | ({""} if patterns else set()))
     checks: set[Check] = set()
     for rule in RULES:
-        if rule.peering and not peering:
+        if (rule.peering and not peering) or (rule.patterns and not patterns):
             continue
         if rule.peering and rule.cluster_scoped != clusterwide:
             continue  # kopf peers through a ClusterKopfPeering cluster-wide, KopfPeerings otherwise
-        where = [""] if rule.cluster_scoped or clusterwide else sorted(set(scopes))
+        where = [""] if rule.cluster_scoped or clusterwide else scopes
         for group in rule.api_groups:
             for resource in rule.resources:
                 for verb in rule.verbs:
                     checks.update(Check(verb, group, resource, ns) for ns in where)
     return sorted(checks)
+
+
+def peering_crd(namespaces: list[str]) -> str:
+    """The CRD of kopf's peering object: ClusterKopfPeering for the whole cluster, KopfPeering else."""
+    return "kopfpeerings.kopf.dev" if namespaces else "clusterkopfpeerings.kopf.dev"
 
 
 def missing_message(missing: list[Check], identity: str | None) -> str:

@@ -250,43 +250,52 @@ class _QuietRoutine(logging.Filter):
     step, "Handler 'on_child' succeeded." on every status change of a child or pod. Their failures,
     and everything our handlers log, stay."""
 
-    _ROUTINE = ("Timer 'autoscale'", "Handler 'on_child'", "Handler 'on_pod'")
+    # kopf names a timer by its id and field: "Timer 'autoscale/spec.autoscaling' succeeded."
+    _ROUTINE = ("Timer 'autoscale", "Handler 'on_child'", "Handler 'on_pod'")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno <= logging.INFO and record.getMessage().startswith(self._ROUTINE))
 
 
-def check_permissions(namespaces: list[str], *, peering: bool) -> str | None:
-    """None when the operator's identity holds every permission it needs in `namespaces` (empty: the
-    whole cluster); otherwise what it lacks, or why it could not ask, worded for the log."""
+def check_permissions(namespaces: list[str], *, peering: str | None) -> tuple[str | None, str | None]:
+    """(problem, peering): problem is None when the operator's identity holds every permission it needs
+    in `namespaces` (empty: the whole cluster) and, with peering, kopf's peering CRD exists; otherwise
+    what is wrong, worded for the log. peering: None for --standalone, "" for kopf's default peering,
+    else the --peering name; returned as it will run. Without the peering CRD the default peering is
+    dropped with a warning (kopf would run unpeered, saying nothing); a named one cannot be (kopf would
+    wait for the CRD forever), so that is a problem."""
     import urllib3
     from kubernetes.client.exceptions import ApiException
     from kubernetes.config import ConfigException
 
-    from conveyor.operator.cluster import Cluster, api_message, load_api_client
-    from conveyor.operator.permissions import is_pattern, missing_message, required_checks
+    from conveyor.operator.cluster import AccessReview, api_message, load_api_client
+    from conveyor.operator.permissions import missing_message, peering_crd, required_checks
 
+    log = logging.getLogger("conveyor.operator")
     try:
-        cluster = Cluster(load_api_client())
-        existing = None
-        if any(is_pattern(n) for n in namespaces):
-            try:
-                existing = cluster.namespaces()
-            except ApiException as exc:
-                if exc.status != 403:
-                    raise
-                existing = []  # the check below names `list namespaces` as missing
-        missing = cluster.missing_permissions(
-            required_checks(namespaces, peering=peering, existing_namespaces=existing)
-        )
-        identity = cluster.identity() if missing else None
+        review = AccessReview(load_api_client())
+        if peering is not None and not review.has_crd(peering_crd(namespaces)):
+            crd = peering_crd(namespaces)
+            if peering:
+                return (
+                    f"--peering {peering} needs kopf's peering CRD {crd}, which is not installed: apply "
+                    "charts/conveyor/crds/ (helm install does), or run with --standalone"
+                ), peering
+            log.warning(
+                "kopf's peering CRD %s is not installed (charts/conveyor/crds/): running without peering, "
+                "as with --standalone; run one operator replica only",
+                crd,
+            )
+            peering = None
+        missing = review.missing_permissions(required_checks(namespaces, peering=peering is not None))
+        identity = review.identity() if missing else None
     except ConfigException as exc:
-        return f"no Kubernetes credentials (in-cluster service account or kubeconfig): {exc}"
+        return f"no Kubernetes credentials (in-cluster service account or kubeconfig): {exc}", peering
     except ApiException as exc:
-        return f"cannot check the operator's permissions: the API server answered {api_message(exc)}"
+        return f"cannot check the operator's permissions: the API server answered {api_message(exc)}", peering
     except (urllib3.exceptions.HTTPError, OSError) as exc:
-        return f"cannot reach the Kubernetes API server to check the operator's permissions: {exc}"
-    return missing_message(missing, identity) if missing else None
+        return f"cannot reach the Kubernetes API server to check the operator's permissions: {exc}", peering
+    return (missing_message(missing, identity) if missing else None), peering
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     # One line per Prometheus query and per timer run would drown the decisions in the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").addFilter(_QuietRoutine())
-    problem = check_permissions(list(args.namespace), peering=not args.standalone)
+    peering = None if args.standalone else (args.peering or "")
+    problem, peering = check_permissions(list(args.namespace), peering=peering)
     if problem is not None:
         logging.getLogger("conveyor.operator").error("not starting: %s", problem)
         return 1
@@ -321,11 +331,20 @@ def main(argv: list[str] | None = None) -> int:
     handlers.configure_children(args.server_image, args.network_policy_from, keda)
     handlers.configure_autoscaler(args.prometheus_url, args.autoscale_interval)
     if args.metrics_port:
-        prometheus_client.start_http_server(args.metrics_port)
+        try:
+            prometheus_client.start_http_server(args.metrics_port)
+        except OSError as exc:
+            logging.getLogger("conveyor.operator").error(
+                "not starting: cannot serve the operator's metrics on port %d (%s): choose another "
+                "--metrics-port, or 0 to turn them off",
+                args.metrics_port,
+                exc.strerror or exc,
+            )
+            return 1
 
     namespaces = list(args.namespace)
     kopf.run(
-        standalone=args.standalone,
+        standalone=peering is None,
         priority=args.priority,
         peering_name=args.peering,
         liveness_endpoint=args.liveness,

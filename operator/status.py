@@ -310,6 +310,23 @@ def history_from_status(status: dict[str, Any]) -> History:
     )
 
 
+# The status field of each signal, by the query's name (metrics.py), so that an error is named as the
+# value it stands in for; other errors (pods, prometheus) keep their names.
+SIGNAL_FIELDS = {
+    "ttft_p90": "ttftP90Seconds",
+    "request_rate": "requestRate",
+    "queue": "queueDepth",
+    "running": "runningRequests",
+    "kv_usage": "kvCacheUsage",
+    "router_waiting": "routerRequestsWaiting",
+}
+
+
+def status_errors(reading: Reading) -> dict[str, str]:
+    """The reading's errors keyed by the status field of the signal each concerns."""
+    return {SIGNAL_FIELDS.get(k, k): v for k, v in reading.errors.items()}
+
+
 def _metrics_status(
     reading: Reading, ready: int, now: str, *, usable: bool, previous: dict[str, Any]
 ) -> dict[str, Any]:
@@ -333,7 +350,7 @@ def _metrics_status(
         **{k: None if v is None else round(v, 4) for k, v in values.items()},
         # A merge patch merges maps key by key: None clears an earlier step's error for a signal
         # that now reads (None for the whole map removes it once every signal reads).
-        "errors": {**dict.fromkeys(previous.get("errors") or {}), **reading.errors}
+        "errors": {**dict.fromkeys(previous.get("errors") or {}), **status_errors(reading)}
         if reading.errors
         else None,
         "lastSuccessfulReadTime": now if usable else previous.get("lastSuccessfulReadTime"),
@@ -390,10 +407,10 @@ def autoscaler_status(
     if decision.metrics_available and not reading.errors:
         available = (True, "PrometheusQueried", "every targeted signal was read")
     elif decision.metrics_available:
-        details = "; ".join(f"{k}: {v}" for k, v in sorted(reading.errors.items()))
+        details = "; ".join(f"{k}: {v}" for k, v in sorted(status_errors(reading).items()))
         available = (True, "PartialMetrics", details)
     else:
-        details = "; ".join(f"{k}: {v}" for k, v in sorted(reading.errors.items())) or "no data"
+        details = "; ".join(f"{k}: {v}" for k, v in sorted(status_errors(reading).items())) or "no data"
         available = (False, "MetricsUnavailable", f"holding {current} replicas: {details}")
     metrics_condition = make_condition(
         METRICS_AVAILABLE, *available, generation=generation, now=now, previous=conditions_before

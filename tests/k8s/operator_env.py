@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -236,3 +238,28 @@ def account_kubeconfig(k8s: LocalCluster, namespace: str, account: str, path: Pa
     path.write_text(json.dumps(config))
     path.chmod(0o600)
     return path
+
+
+class SilentServer:
+    """A loopback server that accepts connections and never answers: a hung Prometheus or API server.
+    `port`; `accepted` is set on each connection."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.port = self.listener.getsockname()[1]
+        self.accepted = threading.Event()
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self._held.append(self.listener.accept()[0])
+            except OSError:
+                return
+            self.accepted.set()
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self._held:
+            conn.close()

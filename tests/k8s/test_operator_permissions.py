@@ -8,6 +8,7 @@ list the chart's ClusterRole is generated from (tests/unit/test_permissions.py c
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 
 from conveyor.operator.permissions import RULES
 from tests.k8s.cluster import LocalCluster
-from tests.k8s.operator_env import CRD_PATH, Env, Operator, account_kubeconfig, isvc
+from tests.k8s.operator_env import CRD_PATH, Env, Operator, SilentServer, account_kubeconfig, isvc
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -76,6 +77,46 @@ def _identity(k8s: LocalCluster, namespace: str, rules: list[dict[str, Any]], tm
         },
     )
     return account_kubeconfig(k8s, namespace, "operator", tmp_path / f"{name}.kubeconfig")
+
+
+def _exits(operator: Operator, within: float) -> tuple[int, str]:
+    """(exit status, log) of an operator that must exit within `within` seconds."""
+    try:
+        code = operator.process.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        operator.stop()
+        pytest.fail(f"the operator still ran after {within:.0f} s:\n{operator.log_tail()}")
+    operator.stop()
+    return code, operator.log_path.read_text()
+
+
+def test_a_hung_api_server_fails_the_start_in_bounded_time(k8s: LocalCluster, tmp_path: Path) -> None:
+    hung = SilentServer()
+    config = json.loads(k8s.kubeconfig.read_text())
+    config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{hung.port}"
+    kubeconfig = tmp_path / "hung.kubeconfig"
+    kubeconfig.write_text(json.dumps(config))
+    try:
+        operator = Operator(k8s, "default", tmp_path / "operator.log", kubeconfig=kubeconfig)
+        code, log = _exits(operator, 60)
+    finally:
+        hung.close()
+    assert code == 1, log
+    assert "cannot reach the Kubernetes API server to check the operator's permissions" in log, log
+    assert "Traceback" not in log, log
+
+
+def test_a_metrics_port_in_use_is_one_line_not_a_traceback(k8s: LocalCluster, tmp_path: Path) -> None:
+    taken = socket.create_server(("0.0.0.0", 0))
+    port = taken.getsockname()[1]
+    try:
+        argv = ["--standalone", "--namespace", "default", "--metrics-port", str(port)]
+        code, log = _exits(Operator(k8s, "default", tmp_path / "operator.log", argv=argv), 30)
+    finally:
+        taken.close()
+    assert code == 1, log
+    assert f"cannot serve the operator's metrics on port {port} (Address already in use)" in log, log
+    assert "Traceback" not in log, log
 
 
 def test_an_identity_without_watch_is_refused_at_start_naming_it(k8s: LocalCluster, tmp_path: Path) -> None:

@@ -355,7 +355,7 @@ def test_status_after_an_outage_holds_no_old_number_and_after_recovery_no_old_er
     assert stored["autoscaler"]["metrics"] == {
         "time": "t2",
         "readyPods": 2,
-        "errors": {"queue": down, "request_rate": down, "ttft_p90": down},
+        "errors": {"queueDepth": down, "requestRate": down, "ttftP90Seconds": down},
         "lastSuccessfulReadTime": "t1",
     }
     available = next(c for c in stored["conditions"] if c["type"] == "MetricsAvailable")
@@ -368,7 +368,7 @@ def test_status_after_an_outage_holds_no_old_number_and_after_recovery_no_old_er
         "readyPods": 2,
         "queueDepth": 3.0,
         "runningRequests": 1.0,
-        "errors": {"ttft_p90": "no data"},
+        "errors": {"ttftP90Seconds": "no data"},
         "lastSuccessfulReadTime": "t3",
     }
     stored = record(stored, good, 4)
@@ -410,7 +410,5 @@ def test_a_hung_prometheus_costs_one_deadline_for_all_queries() -> None:
             conn.close()
     assert reading.observation == Observation(None, None)
     assert set(reading.errors) == {"ttft_p90", "request_rate", "queue", "running", "kv_usage"}
-    assert all("ReadTimeout" in e or "no answer within 1 s" in e for e in reading.errors.values()), (
-        reading.errors
-    )
+    assert set(reading.errors.values()) == {"no answer within 1 s"}  # however the wait ended
     assert elapsed < 4.0  # one deadline (1 s), not five

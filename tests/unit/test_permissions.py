@@ -4,7 +4,7 @@ the message it exits with, and the chart's ClusterRole generated from the same l
 from __future__ import annotations
 
 from conveyor.operator.chart import RBAC_PATH, rbac_with_rules
-from conveyor.operator.permissions import RULES, Check, missing_message, required_checks
+from conveyor.operator.permissions import RULES, Check, missing_message, peering_crd, required_checks
 
 
 def test_chart_cluster_role_rules_are_generated_from_the_list() -> None:
@@ -34,7 +34,7 @@ def test_every_rule_verb_is_checked_once_cluster_wide() -> None:
     expected = {
         (verb, group, resource)
         for rule in RULES
-        if not (rule.peering and not rule.cluster_scoped)
+        if not (rule.peering and not rule.cluster_scoped) and not rule.patterns
         for group in rule.api_groups
         for resource in rule.resources
         for verb in rule.verbs
@@ -45,12 +45,18 @@ def test_every_rule_verb_is_checked_once_cluster_wide() -> None:
     assert Check("watch", "kopf.dev", "clusterkopfpeerings") in checks
 
 
-def test_patterns_are_checked_in_the_namespaces_they_match_now() -> None:
-    checks = required_checks(["team-*"], peering=True, existing_namespaces=["team-a", "team-b", "prod"])
-    namespaces = {c.namespace for c in checks if c.resource == "deployments"}
-    assert namespaces == {"team-a", "team-b"}
-    assert Check("patch", "kopf.dev", "kopfpeerings", "team-b") in checks
+def test_a_pattern_needs_its_namespaced_permissions_in_every_namespace() -> None:
+    """A glob matches namespaces created later too: what it needs is asked cluster-wide, and kopf's
+    watch of namespaces is needed (not for named namespaces)."""
+    checks = required_checks(["team-*", "llm"], peering=True)
+    assert {c.namespace for c in checks if c.resource == "deployments"} == {"", "llm"}
+    assert Check("watch", "", "namespaces") in checks
+    assert Check("patch", "kopf.dev", "kopfpeerings", "") in checks
     assert not any(c.resource == "clusterkopfpeerings" for c in checks)
+    assert not any(c.resource == "namespaces" for c in required_checks(["llm"], peering=True))
+    assert not any(c.resource == "namespaces" for c in required_checks([], peering=True))
+    assert peering_crd([]) == "clusterkopfpeerings.kopf.dev"
+    assert peering_crd(["llm"]) == "kopfpeerings.kopf.dev"
 
 
 def test_the_exit_message_names_each_missing_verb_and_resource_and_the_fix() -> None:
@@ -58,13 +64,15 @@ def test_the_exit_message_names_each_missing_verb_and_resource_and_the_fix() -> 
         [
             Check("watch", "serving.conveyor.dev", "inferenceservices", "llm"),
             Check("list", "", "nodes"),
+            Check("patch", "serving.conveyor.dev", "inferenceservices/status", ""),
         ],
         "system:serviceaccount:ops:conveyor",
     )
     lines = message.splitlines()
     assert lines[0] == (
-        "the operator's identity (system:serviceaccount:ops:conveyor) lacks 2 permission(s) it needs:"
+        "the operator's identity (system:serviceaccount:ops:conveyor) lacks 3 permission(s) it needs:"
     )
     assert lines[1] == "  - list nodes"
-    assert lines[2] == "  - watch inferenceservices.serving.conveyor.dev in namespace llm"
-    assert "rbac.create=true" in lines[3]
+    assert lines[2] == "  - patch inferenceservices.serving.conveyor.dev/status in every namespace"
+    assert lines[3] == "  - watch inferenceservices.serving.conveyor.dev in namespace llm"
+    assert "rbac.create=true" in lines[4]
