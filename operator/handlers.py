@@ -75,6 +75,7 @@ from conveyor.operator.status import (
     capacity_message,
     history_from_status,
     make_condition,
+    with_conditions,
 )
 from conveyor.server.cli import ServeArgsError
 
@@ -219,11 +220,8 @@ def _report_forbidden(
         now=_now(),
         previous=conditions,
     )
-    updated = [condition if c.get("type") == condition_type else c for c in conditions]
-    if condition_type not in {c.get("type") for c in conditions}:
-        updated.append(condition)
     try:
-        cluster.patch_status(namespace, name, {"conditions": updated})
+        cluster.patch_status(namespace, name, {"conditions": with_conditions(conditions, condition)})
     except ApiException as exc:
         logger.error("cannot write the Forbidden condition of %s/%s: %s", namespace, name, api_message(exc))
 

@@ -50,6 +50,13 @@ def make_condition(
     return condition
 
 
+def with_conditions(conditions: list[dict[str, Any]], *updates: dict[str, Any]) -> list[dict[str, Any]]:
+    """`conditions` with each of `updates` in place of the condition of its type (appended when there
+    is none); the others as they were, in their order."""
+    owned = {c["type"]: c for c in updates}
+    return [owned.pop(c["type"], c) for c in conditions] + list(owned.values())
+
+
 def capacity_status(plan: SpecPlan) -> dict[str, Any]:
     """`status.capacity`: the plan's numbers (bytes, sequences, ranks)."""
     cap = plan.capacity
@@ -404,19 +411,17 @@ def autoscaler_status(
         now=now,
         previous=conditions_before,
     )
+    details = "; ".join(f"{k}: {v}" for k, v in sorted(status_errors(reading).items()))
     if decision.metrics_available and not reading.errors:
         available = (True, "PrometheusQueried", "every targeted signal was read")
     elif decision.metrics_available:
-        details = "; ".join(f"{k}: {v}" for k, v in sorted(status_errors(reading).items()))
         available = (True, "PartialMetrics", details)
     else:
-        details = "; ".join(f"{k}: {v}" for k, v in sorted(status_errors(reading).items())) or "no data"
-        available = (False, "MetricsUnavailable", f"holding {current} replicas: {details}")
+        available = (False, "MetricsUnavailable", f"holding {current} replicas: {details or 'no data'}")
     metrics_condition = make_condition(
         METRICS_AVAILABLE, *available, generation=generation, now=now, previous=conditions_before
     )
-    owned = {SCALING: scaling, METRICS_AVAILABLE: metrics_condition}
-    conditions = [owned.pop(c["type"], c) for c in conditions_before] + list(owned.values())
+    conditions = with_conditions(conditions_before, scaling, metrics_condition)
     patch: dict[str, Any] = {
         "conditions": conditions,
         "desiredReplicas": decision.replicas,
