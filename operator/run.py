@@ -312,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     # One line per Prometheus query and per timer run would drown the decisions in the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").addFilter(_QuietRoutine())
+    # The permission check's client retries each request; an unreachable API server is told in one
+    # line below, not in a WARNING per retry of every check.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     peering = None if args.standalone else (args.peering or "")
     problem, peering = check_permissions(list(args.namespace), peering=peering)
     if problem is not None:

@@ -229,7 +229,12 @@ def build_parser(
     # No abbreviations: `--po=1` must not pass for `--port` (the operator refuses flags it owns by name).
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API", allow_abbrev=False)
     serve.add_argument("model", nargs="?", default=None, help=ModelConfig.model_fields["model"].description)
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's log level (default: info)",
+    )
     for group in _SERVE_GROUPS.values():
         add_model_flags(serve, group, skip={"model"})
     for name, (_, help_text) in COMMANDS.items():
