@@ -7,7 +7,7 @@ Pure Python: no torch import, so the operator image stays small. Formulas (DESIG
     kv_pool_bytes      = gpu_memory_bytes * gpu_memory_utilization * num_gpus - weight_bytes
                          - activation_reserve_bytes
     num_kv_blocks      = floor(kv_pool_bytes / (kv_bytes_per_token_all_gpus * block_size))
-    max_num_seqs       = floor(num_kv_blocks * block_size / max_model_len)      (whole blocks only)
+    max_num_seqs       = floor(num_kv_blocks / ceil(max_model_len / block_size))  (whole blocks a sequence)
 
 `kv_bytes_per_token` is reported per GPU (what one GPU stores for one token); the pool spans all
 `num_gpus`, so pool divisions use the per-token bytes summed over the tensor-parallel group. `partition`
@@ -139,9 +139,11 @@ def num_kv_blocks_for_pool(kv_pool_bytes: int, kv_bytes_per_token_all_gpus: int,
 
 def max_num_seqs_for_blocks(num_kv_blocks: int, block_size: int, max_model_len: int) -> int:
     """Sequences of `max_model_len` tokens whose KV fits in `num_kv_blocks` blocks at once: the one
-    `max_num_seqs` rule, for the operator's plan and the server's start-up alike (whole blocks only, so
-    it can be one less than pool bytes / (bytes per token x max_model_len))."""
-    return num_kv_blocks * block_size // max_model_len
+    `max_num_seqs` rule, for the operator's plan and the server's start-up alike. Each sequence holds
+    whole blocks, `ceil(max_model_len / block_size)` of them (vLLM's
+    `get_max_concurrency_for_kv_cache_config`), so this can be less than pool bytes / (bytes per token
+    x max_model_len)."""
+    return num_kv_blocks // -(-max_model_len // block_size)
 
 
 @dataclass(frozen=True)

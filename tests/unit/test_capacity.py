@@ -20,6 +20,7 @@ from conveyor.operator.plan import (
     plan_for_spec,
 )
 from conveyor.operator.spec import parse_spec
+from conveyor.server import capacity
 from conveyor.server.capacity import InsufficientGPUMemoryError, kv_bytes_per_token, plan_capacity
 
 A100_80GB = 80 * GiB
@@ -219,3 +220,10 @@ def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["capacity"]["kv_bytes_per_token"] == 23040
     assert data["max_num_seqs"] == 216
     assert data["gpu_product_label"] == "NVIDIA-L4"
+
+
+def test_a_sequence_holds_whole_blocks() -> None:
+    """10 blocks of 16 tokens hold 5 sequences of 17 tokens (2 blocks each), not 160 // 17 = 9."""
+    assert capacity.max_num_seqs_for_blocks(10, 16, 17) == 5
+    assert capacity.max_num_seqs_for_blocks(10, 16, 16) == 10
+    assert capacity.max_num_seqs_for_blocks(28_693, 16, 4096) == 112
