@@ -117,7 +117,7 @@ def calibrate(max_batch: int, max_num_batched_tokens: int) -> Calibration:
     1 to `max_batch` sequences at a context of about PROMPT_LEN tokens. Medians per size."""
     from conveyor.benchmarks.server_process import ConveyorServer
     from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
     from conveyor.server.messages import SamplingParams
     from conveyor.server.model import loader
 
@@ -131,7 +131,7 @@ def calibrate(max_batch: int, max_num_batched_tokens: int) -> Calibration:
             started = time.monotonic()
             with server:
                 starts.append(time.monotonic() - started)
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig(
             model=ModelConfig(max_model_len=4096),
             cache=CacheConfig(kv_cache_memory=2 << 30),
@@ -147,7 +147,7 @@ def calibrate(max_batch: int, max_num_batched_tokens: int) -> Calibration:
         for prompt_len, max_tokens in requests:
             prompt = rng.integers(0, vocab, prompt_len).tolist()
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            engine.add_request(f"calibration-{next(ids)}", prompt, params)
+            engine.add_request(engine.make_request(f"calibration-{next(ids)}", prompt, params))
         while engine.has_unfinished_requests():
             _timed_step(engine, steps)
 

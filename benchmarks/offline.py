@@ -109,7 +109,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab_size: i
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch):
         prompt = rng.integers(0, vocab_size, input_len).tolist()
-        engine.add_request(f"b{batch}-{i}", prompt, params)
+        engine.add_request(engine.make_request(f"b{batch}-{i}", prompt, params))
     steps = []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -122,7 +122,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab_size: i
 
 def run(args: argparse.Namespace) -> OfflineReport:
     from conveyor.server.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     cache = {"gpu_memory_utilization": args.gpu_memory_utilization}
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> OfflineReport:
         device=DeviceConfig(device=args.device),
     )
     start = time.perf_counter()
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     start_s = time.perf_counter() - start
     shape = engine.model.shape
     weights = weight_bytes_read_per_step(shape, engine.dtype)

@@ -48,7 +48,7 @@ from conveyor.benchmarks.metrics import (
 )
 from conveyor.benchmarks.serve import run_benchmark, warmup
 from conveyor.benchmarks.server_process import ConveyorServer, ServerStartError, conveyor_executable
-from conveyor.server.engine.engine import pick_dtype
+from conveyor.server.engine.builder import pick_dtype
 
 CHUNK_SWEEP = (512, 1024, 4096)
 #: Parameters of the embedded SmolLM2-135M (tied embeddings counted once), used when transformers is skipped.

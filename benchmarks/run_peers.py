@@ -122,7 +122,7 @@ def cpu_flags() -> str:
 def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params: int) -> int:
     """vLLM CPU and conveyor on `samples` (token-id prompts), offline per dtype and online at the auto
     dtype; writes the runs and ``vllm.md``. 0 when every request of every run succeeded."""
-    from conveyor.server.engine.engine import pick_dtype
+    from conveyor.server.engine.builder import pick_dtype
     from conveyor.server.model.loader import converted, resolve_model
 
     python = ensure_vllm(Path(args.vllm_venv))

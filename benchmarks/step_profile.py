@@ -117,7 +117,7 @@ def _run(engine, samples, tag: str) -> tuple[int, int, float]:
 
     for i, sample in enumerate(samples):
         params = SamplingParams(temperature=0.0, max_tokens=sample.output_len, ignore_eos=True)
-        engine.add_request(f"{tag}-{i}", list(sample.prompt), params)
+        engine.add_request(engine.make_request(f"{tag}-{i}", list(sample.prompt), params))
     steps = tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -224,15 +224,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from conveyor.benchmarks.datasets import load_jsonl
     from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-    from conveyor.server.engine.async_engine import freeze_startup_heap
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
+    from conveyor.server.engine.tuning import freeze_startup_heap
 
     samples = load_jsonl(args.workload or _default_workload(), args.num_requests)
     if any(not isinstance(s.prompt, list) for s in samples):
         print("step_profile: the workload must hold token-id prompts", file=sys.stderr)
         return 2
     max_model_len = max(s.prompt_len + s.output_len for s in samples)
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig(
             model=ModelConfig(dtype=args.dtype, max_model_len=max(max_model_len, 256)),
             cache=CacheConfig(kv_cache_memory=1 << 30),

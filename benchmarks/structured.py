@@ -68,7 +68,7 @@ def run_mode(engine, mode: str, batch: int, output_len: int, tag: str) -> ModeRe
         params = SamplingParams(
             temperature=0.8, seed=i, max_tokens=output_len, ignore_eos=True, structured_output=so
         )
-        engine.add_request(f"{tag}-{mode}-{i}", list(prompt), params)
+        engine.add_request(engine.make_request(f"{tag}-{mode}-{i}", list(prompt), params))
     tokens, steps = 0, []
     texts = [""] * batch
     start = time.perf_counter()
@@ -85,9 +85,9 @@ def run_mode(engine, mode: str, batch: int, output_len: int, tag: str) -> ModeRe
 
 def run(args: argparse.Namespace) -> list[ModeResult]:
     from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
 
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig(
             model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=1024),
             cache=CacheConfig(kv_cache_memory=args.batch * 1024 * 64 * 1024),

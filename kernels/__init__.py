@@ -154,3 +154,27 @@ def select_backend(name: str, device_type: str) -> tuple[str, KernelBackend]:
         return resolved, load_backend(resolved)
     except CPUKernelBuildError as exc:
         raise ValueError(f"--attention-backend cpu: {exc}; or use --attention-backend torch") from exc
+
+
+def pack_weights(
+    model: torch.nn.Module, backend: KernelBackend, dtype: torch.dtype, device: torch.device
+) -> str:
+    """Lay out `model`'s linear weights once for this backend's matmuls, in place, after the weights are
+    final (loaded, cast, sharded). Returns what was done, for the start-up log.
+
+    On a CPU: with the C++ backend its panel kernel (`cpu.CPULinear`) takes float32 weights, and
+    bfloat16 ones where the CPU has AVX512_BF16's dot product; otherwise oneDNN's packed layout
+    (`onednn.PackedLinear`) where it applies. Elsewhere (CUDA, float16) the weights stay as they are.
+    Raises `cpu.CPUKernelBuildError` when the C++ kernels cannot be built.
+    """
+    from conveyor.kernels import cpu, onednn
+
+    name = str(dtype).removeprefix("torch.")
+    panel = device.type == "cpu" and backend is cpu
+    if panel and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul_supported())):
+        counts = cpu.pack_linear_layers(model)
+        held = ", ".join(f"{count} with {weight} weights" for weight, count in sorted(counts.items()))
+        return f"CPU matmuls: {sum(counts.values())} linear layers in the C++ {name} kernel ({held})"
+    if onednn.packing_supported(dtype, device):
+        return f"CPU matmuls: {onednn.pack_linear_layers(model)} linear layers pre-packed for oneDNN ({name})"
+    return f"matmuls: {name} weights as loaded"

@@ -256,19 +256,18 @@ def serve(settings: ServeSettings) -> int:
     from conveyor.server.api.app import create_app
     from conveyor.server.api.metrics import EngineMetrics
     from conveyor.server.engine.async_engine import AsyncEngine
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     server_config = settings.server
     try:
-        engine = LLMEngine(settings.engine)
+        engine = build_engine(settings.engine, EngineMetrics)
     except (ValueError, OSError) as exc:  # bad model, path, or shape; no network for a hub id
         print(f"conveyor serve: {exc}", file=sys.stderr)
         return 1
-    metrics = EngineMetrics(engine.served_model_name, engine.limits)
-    engine.observer = metrics
+    metrics = engine.observer
     async_engine = AsyncEngine(engine)
     if server_config.api_key is None and os.environ.get("CONVEYOR_API_KEY"):
         server_config = server_config.model_copy(update={"api_key": os.environ["CONVEYOR_API_KEY"]})

@@ -9,7 +9,7 @@ read these without loading the engine (tests/unit/test_layers.py).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 
@@ -80,6 +80,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request the engine has checked and queues as it is (vLLM's `EngineCoreRequest`, SGLang's
+    `TokenizedGenerateReqInput`). Only `LLMEngine.make_request` makes them, after the checks that raise
+    InvalidRequestError naming the field, so holding one means holding a request the engine can serve:
+    nothing downstream checks it again.
+
+    prompt_token_ids: the prompt's token ids; arrival_time: seconds (time.monotonic), where TTFT and
+    queue time start; priority: the scheduling priority (`--scheduling-policy priority`: lower first).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+    def for_choice(self, request_id: str, seed: int | None) -> EngineRequest:
+        """The same request under another id and seed (one choice of an `n > 1` request): neither is
+        something the engine's checks look at, so the copy is as valid as the original."""
+        return replace(self, request_id=request_id, params=replace(self.params, seed=seed))
 
 
 @dataclass

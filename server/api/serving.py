@@ -1,4 +1,4 @@
-"""What both OpenAI endpoints share: model check, prompt building off the event loop, validation once
+"""What both OpenAI endpoints share: model check, prompt building off the event loop, one check
 per request, admission against the waiting-queue bound, and fan-out of a request's choices to the engine.
 
 The serving classes talk to the engine through `AsyncEngine` only.
@@ -18,7 +18,13 @@ from conveyor.server.api.prompts import PromptError
 from conveyor.server.config import ServerConfig
 from conveyor.server.engine.async_engine import AsyncEngine
 from conveyor.server.engine.validation import InvalidRequestError
-from conveyor.server.messages import Logprob, RequestOutput, SamplingParams, StructuredOutputParams
+from conveyor.server.messages import (
+    EngineRequest,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputParams,
+)
 
 
 @dataclass
@@ -60,27 +66,32 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def validate(
+    async def make_requests(
         self,
         prompts: list[list[int]],
         params: SamplingParams,
+        arrival: float,
+        priority: int,
         checks: list[StructuredOutputParams] = (),
         names: dict[str, str] | None = None,
-    ) -> None:
-        """400 for a request the engine would refuse; the one validation a request gets (`merged` tells
-        the engine it is done). `checks`: more constraints that must compile (a chat request's tool
-        schemas under `auto`); `names`: the request's own names of the engine's fields (chat:
-        `prompt` is `messages`). Runs in a worker thread: compiling a structured-output grammar may
-        take a while, and the event loop keeps serving meanwhile."""
+    ) -> list[EngineRequest]:
+        """The engine's checked requests, one per prompt (`merged` gives each choice its own id), or a
+        400 for a request the engine would refuse: the one check a request gets. `checks`: more
+        constraints that must compile (a chat request's tool schemas under `auto`); `names`: the
+        request's own names of the engine's fields (chat: `prompt` is `messages`). Runs in a worker
+        thread: compiling a structured-output grammar may take a while, and the event loop keeps
+        serving meanwhile."""
 
-        def check() -> None:
+        def check() -> list[EngineRequest]:
             for constraint in checks:
-                self.engine.validate(prompts[0], replace(params, structured_output=constraint))
-            for prompt_ids in prompts:
-                self.engine.validate(prompt_ids, params)
+                self.engine.make_request("check", prompts[0], replace(params, structured_output=constraint))
+            return [
+                self.engine.make_request(str(p), prompt_ids, params, arrival, priority)
+                for p, prompt_ids in enumerate(prompts)
+            ]
 
         try:
-            await asyncio.to_thread(check)
+            return await asyncio.to_thread(check)
         except InvalidRequestError as exc:
             param, message = exc.param.split(".")[0], str(exc)  # `param`: the top-level field
             if names and param in names:
@@ -107,9 +118,7 @@ class OpenAIServing:
                 headers={"Retry-After": "1"},
             )
 
-    def merged(
-        self, prompts: list[list[int]], params: SamplingParams, n: int, priority: int, arrival: float
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def merged(self, requests: list[EngineRequest], n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every (prompt, choice) as its own engine request, queued at once (call it right after
         `admit`, whose reservations they take up); the iterator yields (choice index, output) as they
         come. Closing it aborts every request still running."""
@@ -119,32 +128,24 @@ class OpenAIServing:
 
         unstarted: set[int] = set()  # tasks cancelled before they start hold their reservation
 
-        async def pump(index: int, prompt_ids: list[int], choice_params: SamplingParams) -> None:
+        async def pump(index: int, choice: EngineRequest) -> None:
             unstarted.discard(index)
             try:
-                async for out in self.engine.generate(
-                    f"{base}-{index}",
-                    prompt_ids,
-                    choice_params,
-                    arrival,
-                    priority,
-                    validated=True,
-                    reserved=reserved,
-                ):
+                async for out in self.engine.generate(choice, reserved=reserved):
                     await queue.put((index, out))
             except Exception as exc:
                 await queue.put((index, exc))
 
         tasks = []
-        for p, prompt_ids in enumerate(prompts):
+        for p, request in enumerate(requests):
+            seed = request.params.seed
             for i in range(n):
-                choice_params = params
-                if params.seed is not None and i:
-                    # vLLM's rule: choice i of a seeded request uses seed + i, so choices differ and repeat.
-                    choice_params = replace(params, seed=params.seed + i)
-                unstarted.add(p * n + i)
-                tasks.append(asyncio.create_task(pump(p * n + i, prompt_ids, choice_params)))
-        return self._outputs(queue, tasks, params, unstarted if reserved else set())
+                index = p * n + i
+                # vLLM's rule: choice i of a seeded request uses seed + i, so choices differ and repeat.
+                choice = request.for_choice(f"{base}-{index}", seed + i if seed is not None else None)
+                unstarted.add(index)
+                tasks.append(asyncio.create_task(pump(index, choice)))
+        return self._outputs(queue, tasks, requests[0].params, unstarted if reserved else set())
 
     async def _outputs(
         self, queue: asyncio.Queue, tasks: list[asyncio.Task], params: SamplingParams, unstarted: set[int]

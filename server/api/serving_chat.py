@@ -56,10 +56,12 @@ class ChatServing(OpenAIServing):
         names = {"prompt": "messages"}
         if req.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
-        await self.validate([prompt_ids], params, req.tool_schema_checks(), names)
+        requests = await self.make_requests(
+            [prompt_ids], params, arrival, req.priority, req.tool_schema_checks(), names
+        )
         self.admit(req.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = self.merged([prompt_ids], params, req.n, req.priority, arrival)
+        stream = self.merged(requests, req.n)
         top_n = req.top_logprobs
 
         if req.stream:

@@ -38,10 +38,10 @@ class CompletionServing(OpenAIServing):
         self.check_model(req.model)
         prompts = await self.prompt_ids(completion_prompt_ids, req.prompt)
         params = req.sampling_params(req.max_tokens or 16, req.logprobs)
-        await self.validate(prompts, params)
+        requests = await self.make_requests(prompts, params, arrival, req.priority)
         self.admit(len(prompts) * req.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = self.merged(prompts, params, req.n, req.priority, arrival)
+        stream = self.merged(requests, req.n)
         num_prompt_tokens = sum(len(p) for p in prompts)
 
         if req.stream:

@@ -32,8 +32,6 @@ from pathlib import Path
 
 import torch
 
-from conveyor.kernels import cpu as cpu_kernels
-from conveyor.kernels import onednn
 from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
 from conveyor.server.model.parallel import TensorParallel
 
@@ -233,34 +231,7 @@ def load_model(
         # Parameters only: the rotary table stays float32 (as transformers keeps it).
         for param in model.parameters():
             param.data = param.data.to(dtype)
-    _pack_cpu_matmuls(model, dtype, device, ops)
-    if device.type == "cpu" and ops is cpu_kernels and model.tp.size == 1:
-        norms, linears = model.layer_parts()
-        shape = model.shape
-        model.layer_loop = cpu_kernels.DecoderLayers(
-            norms, linears, shape.num_heads, shape.num_kv_heads, shape.rms_norm_eps, shape.head_dim**-0.5
-        )
     return model.eval()
-
-
-def _pack_cpu_matmuls(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, ops) -> None:
-    """On a CPU, lay out the linear weights once for the matmuls: with the C++ backend its panel kernel
-    (`kernels.cpu.CPULinear`) in float32 (bfloat16 weights where that is exact), and in bfloat16 where
-    the CPU has AVX512_BF16's dot product; otherwise oneDNN's packed layout where it can
-    (`kernels.onednn`)."""
-    name = str(dtype).removeprefix("torch.")
-    panel = device.type == "cpu" and ops is cpu_kernels
-    if panel and (
-        dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernels.bf16_matmul_supported())
-    ):
-        counts = cpu_kernels.pack_linear_layers(model)
-        held = ", ".join(f"{count} with {weight} weights" for weight, count in sorted(counts.items()))
-        logger.info(
-            "CPU matmuls: %s linear layers in the C++ %s kernel (%s)", sum(counts.values()), name, held
-        )
-    elif onednn.packing_supported(dtype, device):
-        count = onednn.pack_linear_layers(model)
-        logger.info("CPU matmuls: %d linear layers pre-packed for oneDNN (%s)", count, name)
 
 
 @torch.no_grad()

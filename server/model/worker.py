@@ -62,7 +62,7 @@ def _rank_main(rank: int, config: RankConfig, log_level: int) -> None:
     """A worker rank: load this rank's shard, then follow rank 0's commands until told to stop."""
     _die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    from conveyor.kernels import load_backend
+    from conveyor.kernels import load_backend, pack_weights
     from conveyor.server.model import loader
     from conveyor.server.model.runner import ModelRunner
 
@@ -74,7 +74,8 @@ def _rank_main(rank: int, config: RankConfig, log_level: int) -> None:
     ops = load_backend(config.backend)
     hf_config = loader.load_config(config.source)
     model = loader.load_model(config.source, hf_config, config.dtype, device, ops, config.load_format, tp)
-    runner = ModelRunner(model, ops, 0, config.block_size, config.dtype, device)
+    pack_weights(model, ops, config.dtype, device)
+    runner = ModelRunner(model, ops, config.block_size, config.dtype, device)
     while True:
         command, arg = tp.broadcast()
         if command == "stop":

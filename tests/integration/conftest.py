@@ -42,9 +42,9 @@ def hf_model():
 @pytest.fixture(scope="session")
 def engine():
     """A synchronous LLMEngine on the embedded model (tests drive `step()` themselves)."""
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
 
-    return LLMEngine(engine_config())
+    return build_engine(engine_config())
 
 
 @pytest.fixture(scope="session")
@@ -82,11 +82,10 @@ def server() -> Iterator[LiveServer]:
     from conveyor.server.api.app import create_app
     from conveyor.server.api.metrics import EngineMetrics
     from conveyor.server.engine.async_engine import AsyncEngine
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
 
-    llm = LLMEngine(engine_config())
-    metrics = EngineMetrics(llm.served_model_name, llm.limits)
-    llm.observer = metrics
+    llm = build_engine(engine_config(), EngineMetrics)
+    metrics = llm.observer
     app = create_app(AsyncEngine(llm), metrics)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from conveyor.server.engine.engine import LLMEngine
+from conveyor.server.engine.builder import build_engine
 from conveyor.server.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
         hf.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
 
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig(
             model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512),
             cache=CacheConfig(kv_cache_memory=1 << 24),
@@ -84,7 +84,7 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     for i, p in enumerate(ids):
-        engine.add_request(str(i), p, params)
+        engine.add_request(engine.make_request(str(i), p, params))
     ours: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -100,14 +100,14 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
-        LLMEngine(EngineConfig(model=ModelConfig(model=str(tmp_path))))
+        build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path))))
 
 
 def test_missing_model_path_is_a_clear_error():
     from conveyor.server.model.loader import ModelNotFoundError
 
     with pytest.raises(ModelNotFoundError, match="does not exist"):
-        LLMEngine(EngineConfig(model=ModelConfig(model="/nonexistent/model")))
+        build_engine(EngineConfig(model=ModelConfig(model="/nonexistent/model")))
 
 
 def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
@@ -116,4 +116,4 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(monkeypa
 
     config = EngineConfig(device=DeviceConfig(device="cpu", attention_backend="triton"))
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        LLMEngine(config)
+        build_engine(config)

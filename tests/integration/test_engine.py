@@ -23,7 +23,7 @@ PROMPTS = [
 def run_to_completion(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
     """Add all requests at once, step until done; returns generated token ids per request id."""
     for request_id, (prompt_ids, params) in requests.items():
-        engine.add_request(request_id, prompt_ids, params)
+        engine.add_request(engine.make_request(request_id, prompt_ids, params))
     tokens: dict[str, list[int]] = {rid: [] for rid in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -69,12 +69,12 @@ def test_a_queued_request_whose_client_left_is_never_prefilled(engine, monkeypat
     prompt = engine.tokenizer("A request nobody waits for")["input_ids"]
 
     async def client_leaves() -> None:
-        stream = async_engine.generate("gone", prompt, SamplingParams(max_tokens=4))
+        stream = async_engine.generate(engine.make_request("gone", prompt, SamplingParams(max_tokens=4)))
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(anext(stream), timeout=0.05)  # queued, then the client goes away
 
     asyncio.run(client_leaves())
-    async_engine._drain_inbox()  # what the loop does before every step: adds, then aborts
+    async_engine._drain(None)  # what the loop does before every step: its commands, in order
     steps_before = engine.stats.num_steps
     engine.step()
     assert engine.stats.num_steps == steps_before  # nothing was scheduled: "gone" never ran

@@ -57,10 +57,10 @@ def test_greedy_on_cuda_equals_transformers_in_float32(tmp_path):
     import transformers
 
     from conveyor.server.config import SchedulerConfig
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
 
     _random_llama(tmp_path)
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig(
             model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=1024),
             cache=CacheConfig(kv_cache_memory=GiB // 4),
@@ -73,7 +73,7 @@ def test_greedy_on_cuda_equals_transformers_in_float32(tmp_path):
     prompts = {f"p{n}": torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (5, 17, 40, 300)}
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for request_id, ids in prompts.items():
-        engine.add_request(request_id, ids, params)
+        engine.add_request(engine.make_request(request_id, ids, params))
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -86,10 +86,10 @@ def test_greedy_on_cuda_equals_transformers_in_float32(tmp_path):
 
 
 def test_profiled_kv_pool_is_what_utilization_leaves_after_weights(tmp_path):
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
 
     (tmp_path / "config.json").write_text(json.dumps(catalog.hf_config("smollm2-135m")))
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig(
             model=ModelConfig(model=str(tmp_path), load_format="dummy", dtype="bfloat16", max_model_len=2048),
             cache=CacheConfig(gpu_memory_utilization=0.5),

@@ -650,10 +650,10 @@ def tiny_llama_dir(save_tiny_llama) -> str:
 
 def _greedy_tokens(model_dir: str, backend: str, prompts: list[str]) -> list[list[int]]:
     from conveyor.server.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
     from conveyor.server.messages import SamplingParams
 
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig(
             model=ModelConfig(model=model_dir, dtype="float32", max_model_len=256),
             cache=CacheConfig(kv_cache_memory=1 << 22, block_size=16),
@@ -664,7 +664,7 @@ def _greedy_tokens(model_dir: str, backend: str, prompts: list[str]) -> list[lis
     )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), engine.tokenizer(prompt)["input_ids"], params)
+        engine.add_request(engine.make_request(str(i), engine.tokenizer(prompt)["input_ids"], params))
     tokens: list[list[int]] = [[] for _ in prompts]
     while engine.has_unfinished_requests():
         for out in engine.step():

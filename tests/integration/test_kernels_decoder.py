@@ -10,6 +10,7 @@ import torch
 
 from conveyor.kernels import AttentionMetadata, cpu, onednn
 from conveyor.server.model.models.llama import LlamaForCausalLM
+from conveyor.server.model.runner import fused_layer_loop
 from tests.tiny_llama import HEAD_DIM, NUM_KV_HEADS, tiny_llama
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
@@ -75,6 +76,20 @@ def _model(dtype: torch.dtype, linears: str) -> LlamaForCausalLM:
     return model
 
 
+def _fused_forward(loop, model: LlamaForCausalLM, ids, positions, caches, meta) -> torch.Tensor:
+    """The model's forward pass through the C++ layer loop, as the runner calls it."""
+    return loop(
+        model.embed(ids),
+        positions,
+        model.cos_sin_cache,
+        caches,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+    )
+
+
 CASES = [
     (torch.float32, "plain"),
     (torch.float32, "panel"),
@@ -102,12 +117,9 @@ def test_layer_loop_equals_the_python_layers(dtype: torch.dtype, linears: str, s
     python_caches, fused_caches = _caches(model, dtype), _caches(model, dtype)
     with torch.inference_mode():
         expected = model(ids, positions, python_caches, meta)
-        norms, layers = model.layer_parts()
-        shape = model.shape
-        model.layer_loop = cpu.DecoderLayers(
-            norms, layers, shape.num_heads, shape.num_kv_heads, shape.rms_norm_eps, shape.head_dim**-0.5
+        fused = _fused_forward(
+            fused_layer_loop(model, cpu, torch.device("cpu")), model, ids, positions, fused_caches, meta
         )
-        fused = model(ids, positions, fused_caches, meta)
     assert fused.dtype == dtype and fused.shape == expected.shape
     # The same kernels in the same order: the same values, bit for bit.
     assert torch.equal(fused, expected)
@@ -126,7 +138,7 @@ def test_layer_loop_refuses_a_layer_it_cannot_call() -> None:
 def test_a_position_outside_the_rotary_table_is_an_error_not_a_crash() -> None:
     model = _model(torch.float32, "plain")
     norms, layers = model.layer_parts()
-    model.layer_loop = cpu.DecoderLayers(norms, layers, 4, NUM_KV_HEADS, 1e-5, HEAD_DIM**-0.5)
+    loop = cpu.DecoderLayers(norms, layers, 4, NUM_KV_HEADS, 1e-5, HEAD_DIM**-0.5)
     ids, positions, meta = _decode_step()
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the rotary table"):
-        model(ids, positions + 1000, _caches(model, torch.float32), meta)
+        _fused_forward(loop, model, ids, positions + 1000, _caches(model, torch.float32), meta)

@@ -29,7 +29,7 @@ def test_sixteen_unique_prompts_under_preemption_have_no_prefix_hits(engine):
         prompts = [[rng.randrange(1000, 40000) for _ in range(40)] for _ in range(16)]
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"unique-{i}", prompt, params)
+            engine.add_request(engine.make_request(f"unique-{i}", prompt, params))
         while engine.has_unfinished_requests():
             engine.step()
         kv = engine.kv_cache

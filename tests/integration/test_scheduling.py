@@ -25,7 +25,7 @@ def configure(engine, num_blocks: int | None = None, caching: bool = True, **sch
 
 def run(engine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
     for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params)
+        engine.add_request(engine.make_request(rid, ids, params))
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -107,9 +107,17 @@ def test_two_prompts_sharing_a_48_token_prefix(engine, texts, caching):
 
 def test_chunked_prefill_keeps_decodes_going(engine, texts):
     configure(engine, max_num_batched_tokens=16)
-    engine.add_request("decode", texts["a"], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.add_request(
+        engine.make_request(
+            "decode", texts["a"], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        )
+    )
     engine.step()  # prefill the short prompt
-    engine.add_request("long", texts["long"], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.add_request(
+        engine.make_request(
+            "long", texts["long"], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        )
+    )
     start = engine.stats.num_steps
     while engine.has_unfinished_requests():
         engine.step()
@@ -126,7 +134,9 @@ def test_static_batching_pads_until_the_longest_member_ends(engine, texts):
     lengths = {"a": 2, "b": 4, "c": 8, "d": 12}
     for rid, ids in prompts.items():
         engine.add_request(
-            rid, ids, SamplingParams(temperature=0.0, max_tokens=lengths[rid], ignore_eos=True)
+            engine.make_request(
+                rid, ids, SamplingParams(temperature=0.0, max_tokens=lengths[rid], ignore_eos=True)
+            )
         )
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
     start = engine.stats.num_steps

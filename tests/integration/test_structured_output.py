@@ -400,7 +400,9 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(engine) -> No
         for i, (prompt, schema) in enumerate(zip(prompts, schemas, strict=True)):
             so = StructuredOutputParams("json", json.dumps(schema))
             engine.add_request(
-                f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=120, structured_output=so)
+                engine.make_request(
+                    f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=120, structured_output=so)
+                )
             )
         ids: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
@@ -417,7 +419,9 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(engine) -> No
     for i in range(12):  # one at a time: no pressure
         so = StructuredOutputParams("json", json.dumps(schemas[i]))
         engine.add_request(
-            f"alone-{i}", prompts[i], SamplingParams(temperature=0, max_tokens=120, structured_output=so)
+            engine.make_request(
+                f"alone-{i}", prompts[i], SamplingParams(temperature=0, max_tokens=120, structured_output=so)
+            )
         )
         out_ids = []
         while engine.has_unfinished_requests():

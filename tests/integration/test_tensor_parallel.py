@@ -57,11 +57,11 @@ def _greedy(
         ParallelConfig,
         SchedulerConfig,
     )
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
     from conveyor.server.messages import SamplingParams
 
     start = time.monotonic()
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig(
             model=ModelConfig(model=model, dtype="float32", max_model_len=max_model_len),
             cache=CacheConfig(kv_cache_memory=_pool_bytes(model, tp, num_kv_blocks), block_size=16),
@@ -78,7 +78,7 @@ def _greedy(
     def run(prompts: dict[str, str]) -> None:
         nonlocal cached
         for request_id, prompt in prompts.items():
-            engine.add_request(request_id, engine.tokenizer(prompt)["input_ids"], params)
+            engine.add_request(engine.make_request(request_id, engine.tokenizer(prompt)["input_ids"], params))
             tokens[request_id] = []
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -144,9 +144,9 @@ def test_nccl_ranks_on_two_gpus_equal_tp1(save_tiny_llama) -> None:
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_naming_both() -> None:
     from conveyor.server.config import EngineConfig, ParallelConfig
-    from conveyor.server.engine.engine import LLMEngine
+    from conveyor.server.engine.builder import build_engine
 
     with pytest.raises(
         ValueError, match=r"--tensor-parallel-size 2 does not divide the model's 9 attention heads"
     ):
-        LLMEngine(EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2)))
+        build_engine(EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2)))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conveyor.kernels import onednn
-from conveyor.server.engine import engine
+from conveyor.server.engine import builder
 
 CPU = torch.device("cpu")
 
@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize(("native", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_on_cpu_follows_native_bfloat16(monkeypatch, native, dtype) -> None:
     monkeypatch.setattr(onednn, "cpu_bf16_native", lambda: native)
-    picked, why = engine.pick_dtype("auto", CPU)
+    picked, why = builder.pick_dtype("auto", CPU)
     assert picked == dtype
     assert ("natively" in why) if native else ("no native bfloat16" in why)
     # Pre-packing follows the same answer.
@@ -29,10 +29,10 @@ def test_auto_on_cpu_follows_native_bfloat16(monkeypatch, native, dtype) -> None
 
 def test_an_explicit_dtype_wins_and_cuda_takes_the_models_half_type(monkeypatch) -> None:
     monkeypatch.setattr(onednn, "cpu_bf16_native", lambda: False)
-    assert engine.pick_dtype("bfloat16", CPU) == (torch.bfloat16, "--dtype bfloat16")
+    assert builder.pick_dtype("bfloat16", CPU) == (torch.bfloat16, "--dtype bfloat16")
     cuda = torch.device("cuda")
-    assert engine.pick_dtype("auto", cuda, SimpleNamespace(dtype=torch.float16))[0] == torch.float16
-    assert engine.pick_dtype("auto", cuda, SimpleNamespace(dtype=torch.float32))[0] == torch.bfloat16
+    assert builder.pick_dtype("auto", cuda, SimpleNamespace(dtype=torch.float16))[0] == torch.float16
+    assert builder.pick_dtype("auto", cuda, SimpleNamespace(dtype=torch.float32))[0] == torch.bfloat16
 
 
 def test_the_probe_agrees_with_the_cpu_flags() -> None:

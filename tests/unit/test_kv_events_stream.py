@@ -13,6 +13,7 @@ from conveyor.server.engine.async_engine import AsyncEngine
 from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.request import Request
 from conveyor.server.messages import (
+    EngineRequest,
     FinishReason,
     KVCacheEvent,
     KVCacheSnapshot,
@@ -30,13 +31,15 @@ class PrefillOnlyEngine:
         self.kv_cache = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching)
         self.new: list[Request] = []
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        pass
+    num_waiting_requests = 0
 
-    def add_request(
-        self, request_id, prompt_token_ids, params, arrival_time=None, priority=0, validated=False
-    ) -> None:
-        self.new.append(Request(request_id, prompt_token_ids, params, eos_token_id=None))
+    def make_request(
+        self, request_id, prompt_token_ids, params, arrival_time=None, priority=0
+    ) -> EngineRequest:
+        return EngineRequest(request_id, tuple(prompt_token_ids), params, 0.0, priority)
+
+    def add_request(self, new: EngineRequest) -> None:
+        self.new.append(Request(new.request_id, list(new.prompt_token_ids), new.params, eos_token_id=None))
 
     def abort_request(self, request_id: str) -> None:
         pass
@@ -68,7 +71,7 @@ def chain(tokens: list[int]) -> list[bytes]:
 
 
 async def prefill(engine: AsyncEngine, rid: str, tokens: list[int]) -> None:
-    async for _ in engine.generate(rid, tokens, SamplingParams(max_tokens=1)):
+    async for _ in engine.generate(engine.make_request(rid, tokens, SamplingParams(max_tokens=1))):
         pass
 
 

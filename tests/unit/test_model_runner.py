@@ -53,9 +53,8 @@ def test_attention_metadata_is_prepared_once_per_step_for_every_layer():
     calls: dict[str, list] = {"prepare_metadata": [], "paged_attention": [], "rotary_embedding": []}
     ops = _recording_backend(calls)
     model = tiny_llama(tie=False, dtype=torch.float32, ops=ops)
-    runner = ModelRunner(
-        model, ops, num_blocks=8, block_size=16, dtype=torch.float32, device=torch.device("cpu")
-    )
+    runner = ModelRunner(model, ops, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    runner.allocate_kv_cache(8)
     decoding = _request("a", list(range(1, 21)), [1, 2])
     prefilling = _request("b", list(range(30, 37)), [3])
     ids, first = runner.execute(SchedulerOutput([ScheduledRequest(decoding, 20)], 20))

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from conveyor.server.engine.async_engine import release_openmp_threads
+from conveyor.server.engine.tuning import release_openmp_threads
 
 
 def _num_threads() -> int:

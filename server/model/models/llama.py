@@ -181,9 +181,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Set by the loader where the kernel backend runs the whole layer loop in one call
-        # (`conveyor.kernels.cpu.DecoderLayers`); `forward` then hands the embedded tokens to it.
-        self.layer_loop = None
         self.register_buffer(
             "cos_sin_cache",
             rope_cos_sin_cache(
@@ -210,17 +207,6 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: `[num_tokens]` int64. Returns hidden states `[num_tokens, hidden_size]`."""
         hidden = self.embed(input_ids)
-        if self.layer_loop is not None:
-            return self.layer_loop(
-                hidden,
-                positions,
-                self.cos_sin_cache,
-                kv_caches,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.query_start_loc,
-                meta.seq_lens,
-            )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)

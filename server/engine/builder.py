@@ -1,0 +1,180 @@
+"""Assembles an engine from an EngineConfig (vLLM's `EngineCore.__init__`, nano-vllm's
+`ModelRunner.__init__`), in order: device -> model source and config -> dtype -> kernel backend ->
+tokenizer -> tensor-parallel workers -> weights (loaded, then packed for the backend) -> model runner ->
+KV pool (measured on CUDA, `--kv-cache-memory` on CPU) -> limits (`max_model_len`, `max_num_seqs`) ->
+the engine. Every choice made here is logged once; every refusal is a ValueError naming the flag.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from conveyor.kernels import onednn, pack_weights, select_backend
+from conveyor.server import capacity
+from conveyor.server.config import EngineConfig, GiB, check_prompt_fits_step
+from conveyor.server.engine.engine import LLMEngine
+from conveyor.server.engine.stats import StatsObserver
+from conveyor.server.messages import EngineLimits
+from conveyor.server.model import loader
+from conveyor.server.model.models.llama import ModelShape
+from conveyor.server.model.parallel import partition
+from conveyor.server.model.runner import ModelRunner
+from conveyor.server.model.worker import Workers
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * GiB
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Makes the engine's observer once the served name and limits are known (`EngineMetrics` fits).
+ObserverFactory = Callable[[str, EngineLimits], StatsObserver]
+
+
+def pick_dtype(name: str, device: torch.device, hf_config=None) -> tuple[torch.dtype, str]:
+    """The weight and activation dtype for `--dtype name`, with the reason (logged at start).
+
+    `auto`: on CUDA the model's configured half type (bfloat16 when it names none); on a CPU bfloat16
+    only where oneDNN computes it natively (AVX512_BF16 or AMX), float32 elsewhere: on AVX2 bfloat16
+    matmuls are emulated and about 2.5x slower than float32.
+    """
+    if name != "auto":
+        return _DTYPES[name], f"--dtype {name}"
+    if device.type == "cpu":
+        if onednn.cpu_bf16_native():
+            return torch.bfloat16, "auto: this CPU computes bfloat16 natively"
+        return torch.float32, "auto: this CPU has no native bfloat16 (AVX512_BF16 or AMX)"
+    configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if configured in (torch.float16, torch.bfloat16):
+        return configured, "auto: the model's configured dtype"
+    return torch.bfloat16, "auto: the model names no half dtype"
+
+
+def pick_device(name: str) -> torch.device:
+    """`--device name` (`auto`: CUDA when torch finds a device). Raises ValueError for `cuda` without one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch finds no CUDA device")
+    return torch.device(name)
+
+
+def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = None) -> LLMEngine:
+    """Load the model `config` names and assemble an engine ready to step.
+
+    make_observer: called with the served model name and the engine's limits, returns the observer
+    told of every step, token and finished request (the server passes `EngineMetrics`).
+
+    Raises ValueError (a bad flag, a model that does not fit the KV pool or the parallel size),
+    ModelNotFoundError / OSError (a missing model), capacity.InsufficientGPUMemoryError.
+    """
+    mc, cc, sc = config.model, config.cache, config.scheduler
+    device = pick_device(config.device.device)
+    source = loader.converted(loader.resolve_model(mc.model))
+    hf_config = loader.load_config(source)
+    dtype, why = pick_dtype(mc.dtype, device, hf_config)
+    backend, ops = select_backend(config.device.attention_backend, device.type)
+    logger.info("device %s, dtype %s (%s), kernel backend %s", device, dtype, why, backend)
+    tokenizer = loader.load_tokenizer(source, mc.load_format)
+    workers = _start_workers(config, source, hf_config, dtype, backend, device)
+    try:
+        tp = workers.tp if workers is not None else None
+        model = loader.load_model(source, hf_config, dtype, device, ops, mc.load_format, tp)
+        logger.info("%s", pack_weights(model, ops, dtype, device))
+        runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
+        shape = model.shape
+        max_model_len = mc.max_model_len or shape.max_position_embeddings
+        if max_model_len > shape.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{shape.max_position_embeddings}"
+            )
+        check_prompt_fits_step(sc, max_model_len)  # max_model_len may be the model's own here
+        kv_bytes_per_token = capacity.kv_bytes_per_token(
+            shape.num_layers,
+            shape.num_kv_heads,
+            shape.head_dim,
+            str(dtype).removeprefix("torch."),
+            tp.size if tp else 1,
+        )
+        if cc.kv_cache_memory:
+            pool_bytes = cc.kv_cache_memory
+        elif device.type == "cuda":
+            pool_bytes = runner.profile_kv_pool_bytes(sc.max_num_batched_tokens, cc.gpu_memory_utilization)
+        else:
+            pool_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = capacity.num_kv_blocks_for_pool(pool_bytes, kv_bytes_per_token, cc.block_size)
+        pool_tokens = num_blocks * cc.block_size
+        if pool_tokens < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {pool_tokens} tokens ({pool_bytes} bytes at {kv_bytes_per_token} "
+                f"bytes/token), fewer than max_model_len {max_model_len}: raise --kv-cache-memory "
+                f"(or --gpu-memory-utilization) or lower --max-model-len"
+            )
+        fits = capacity.max_num_seqs_for_blocks(num_blocks, cc.block_size, max_model_len)
+        max_num_seqs = sc.max_num_seqs or fits
+        if max_num_seqs > fits:
+            logger.warning(
+                "--max-num-seqs %d is more than the %d sequences of max_model_len %d the KV cache holds; "
+                "long sequences will be preempted",
+                max_num_seqs,
+                fits,
+                max_model_len,
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d bytes/token); maximum concurrency at "
+            "max_model_len %d: %.2fx; max_num_seqs %d",
+            num_blocks,
+            cc.block_size,
+            pool_bytes / GiB,
+            kv_bytes_per_token,
+            max_model_len,
+            pool_tokens / max_model_len,
+            max_num_seqs,
+        )
+        runner.allocate_kv_cache(num_blocks)
+        limits = EngineLimits(
+            cc.block_size, num_blocks, max_num_seqs, sc.max_num_batched_tokens, max_model_len
+        )
+        served_model_name = mc.served_model_name or source.default_name
+        return LLMEngine(
+            config,
+            tokenizer,
+            runner,
+            limits,
+            served_model_name=served_model_name,
+            kv_pool_bytes=pool_bytes,
+            kv_bytes_per_token=kv_bytes_per_token,
+            observer=make_observer(served_model_name, limits) if make_observer is not None else None,
+        )
+    except BaseException:
+        if workers is not None:
+            workers.shutdown()
+        raise
+
+
+def _start_workers(
+    config: EngineConfig, source, hf_config, dtype: torch.dtype, backend: str, device: torch.device
+) -> Workers | None:
+    """The other ranks of a tensor-parallel replica (None at --tensor-parallel-size 1), started after
+    checking that the size splits the model. Raises ValueError naming both numbers."""
+    size = config.parallel.tensor_parallel_size
+    if size == 1:
+        return None
+    shape = ModelShape.from_hf_config(hf_config)
+    partition(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, 0, size)
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs {size} CUDA devices; torch finds {torch.cuda.device_count()}"
+        )
+    rank_config = {
+        "source": source,
+        "dtype": dtype,
+        "device_type": device.type,
+        "backend": backend,
+        "load_format": config.model.load_format,
+        "block_size": config.cache.block_size,
+    }
+    return Workers(rank_config, size, device)
