@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -26,10 +27,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 // The op namespace; a test builds this file a second time for AVX2 under another name.
 #ifndef CONVEYOR_CPU_NAMESPACE
 #define CONVEYOR_CPU_NAMESPACE conveyor_cpu
@@ -39,6 +36,11 @@
 namespace conveyor::cpu {
 
 using at::Tensor;
+using simd::prefetch;
+#if defined(CONVEYOR_SIMD_VECTOR)
+using simd::exp_ps;
+using simd::Simd;
+#endif
 
 // Rows per at::parallel_for task: small batches stay on the calling thread.
 constexpr int64_t kRowGrain = 16;
@@ -62,14 +64,14 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(CONVEYOR_SIMD_AVX512)
 inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  Simd::Vec acc = Simd::zero();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  for (; i + Simd::kLanes <= n; i += Simd::kLanes) {
+    acc = Simd::fmadd(Simd::load(a + i), Simd::load(b + i), acc);
   }
-  float sum = _mm512_reduce_add_ps(acc);
+  float sum = Simd::reduce_add(acc);
   for (; i < n; ++i) {
     sum += a[i] * b[i];
   }
@@ -77,64 +79,36 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  const __m512 a = _mm512_set1_ps(alpha);
+  const Simd::Vec a = Simd::set1(alpha);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + Simd::kLanes <= n; i += Simd::kLanes) {
+    Simd::store(y + i, Simd::fmadd(a, Simd::load(x + i), Simd::load(y + i)));
   }
   for (; i < n; ++i) {
     y[i] += alpha * x[i];
   }
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 template <>
 inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(dst + i, load16(src + i));
+  for (; i + Simd::kLanes <= n; i += Simd::kLanes) {
+    Simd::store(dst + i, Simd::load(src + i));
   }
   for (; i < n; ++i) {
     dst[i] = static_cast<float>(src[i]);
   }
 }
 
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-
-// x rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as c10::BFloat16's conversion does,
-// still held as float32.
-inline __m512 round_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
-                       _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000)));
-}
-
-inline void store16(c10::BFloat16* p, __m512 x) {
-  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
-}
-
+// The vector counterpart of round_to<T>.
 template <typename T>
-inline __m512 round_to16(__m512 x) {
+inline Simd::Vec round_to(Simd::Vec x) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return round_bf16(x);
+    return Simd::round_bf16(x);
   } else {
     return x;
   }
 }
-
-template <typename T>
-constexpr bool kVectorized = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
 #else
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -153,111 +127,7 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// The vector width softmax and the decode attention are written against: one source for AVX-512 and
-// AVX2.
-#if defined(__AVX512F__)
-struct Simd {
-  using Vec = __m512;
-  static constexpr int kLanes = 16;
-  static constexpr int64_t kHeadsPerPass = 3;  // query heads whose V sums stay in the 32 registers at once
-  static Vec zero() { return _mm512_setzero_ps(); }
-  static Vec set1(float x) { return _mm512_set1_ps(x); }
-  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-  static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-  static Vec min(Vec a, Vec b) { return _mm512_min_ps(a, b); }
-  static Vec round(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static Vec ldexp(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
-  static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
-  static float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static Vec load(const c10::BFloat16* p) { return load16(p); }
-  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-  // out lane i = the sum of the lanes of v[i], i < 16: sixteen dot products finished at once in 45
-  // shuffles and adds instead of sixteen horizontal reductions.
-  static Vec reduce(const Vec* v) {
-    __m512 pairs[8];  // per 128-bit lane: (v[2i] even, v[2i+1] even, v[2i] odd, v[2i+1] odd) partials
-    for (int i = 0; i < 8; ++i) {
-      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                               _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    }
-    __m512 quads[4];  // per 128-bit lane: partials of v[4i .. 4i+3]
-    for (int i = 0; i < 4; ++i) {
-      quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    }
-    // Sum the four 128-bit lanes: lanes (0+1, 2+3) of two vectors, then those halves.
-    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-};
-#else
-struct Simd {
-  using Vec = __m256;
-  static constexpr int kLanes = 8;
-  static constexpr int64_t kHeadsPerPass = 1;  // 16 registers: one head's V sums at a time
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec set1(float x) { return _mm256_set1_ps(x); }
-  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-  static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-  static Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-  static Vec min(Vec a, Vec b) { return _mm256_min_ps(a, b); }
-  static Vec round(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static Vec ldexp(Vec p, Vec n) {  // p * 2^n, n integral in [-126, 127]: n + 127 in the exponent bits
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  }
-  static float reduce_add(Vec v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-  }
-  static float reduce_max(Vec v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static Vec load(const c10::BFloat16* p) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-  }
-  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-  // out lane i = the sum of the lanes of v[i], i < 8.
-  static Vec reduce(const Vec* v) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  }
-};
-#endif
-
-
-// exp(x) lane by lane: 2^(x log2 e) split into 2^n * 2^f with f in [-0.5, 0.5], 2^f by its degree-6
-// Taylor polynomial (relative error < 2e-7); x is clamped to [-87, 88], where float32 exp is finite
-// (and n stays in [-126, 127]).
-inline Simd::Vec exp_ps(Simd::Vec x) {
-  x = Simd::min(Simd::max(x, Simd::set1(-87.0f)), Simd::set1(88.0f));
-  const Simd::Vec t = Simd::mul(x, Simd::set1(1.44269504088896341f));
-  const Simd::Vec n = Simd::round(t);
-  const Simd::Vec f = Simd::sub(t, n);
-  Simd::Vec p = Simd::set1(1.535336188319500e-4f);
-  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f,
-                        2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f}) {
-    p = Simd::fmadd(p, f, Simd::set1(c));
-  }
-  return Simd::ldexp(p, n);
-}
-
+#if defined(CONVEYOR_SIMD_VECTOR)
 // s[0..n) = softmax(s[0..n)) in float32, in place.
 inline void softmax(float* s, int64_t n) {
   using Vec = Simd::Vec;
@@ -304,17 +174,6 @@ inline void softmax(float* s, int64_t n) {
   }
 }
 #endif
-
-// Fetches num_elements from p into cache ahead of their use: into L1 by default (prefetcht0), into L2
-// with Locality 2 (prefetcht1).
-template <int Locality = 3, typename T>
-inline void prefetch(const T* p, int64_t num_elements) {
-  const char* bytes = reinterpret_cast<const char*>(p);
-  const int64_t size = num_elements * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < size; off += 64) {
-    __builtin_prefetch(bytes + off, 0, Locality);
-  }
-}
 
 void check_cpu(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (the cpu kernel backend)");
@@ -460,13 +319,13 @@ std::tuple<Tensor, Tensor> rotary_embedding(const Tensor& positions, const Tenso
 template <typename T>
 void silu_and_mul_row(const T* gate, const T* up, T* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (kVectorized<T>) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 g = load16(gate + i);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      store16(dst + i, _mm512_mul_ps(round_to16<T>(silu), load16(up + i)));
+#if defined(CONVEYOR_SIMD_AVX512)
+  if constexpr (simd::kVectorType<T>) {
+    const Simd::Vec one = Simd::set1(1.f);
+    for (; i + Simd::kLanes <= n; i += Simd::kLanes) {
+      const Simd::Vec g = Simd::load(gate + i);
+      const Simd::Vec silu = Simd::div(g, Simd::add(one, exp_ps(Simd::sub(Simd::zero(), g))));
+      Simd::store(dst + i, Simd::mul(round_to<T>(silu), Simd::load(up + i)));
     }
   }
 #endif
@@ -630,7 +489,7 @@ void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_
   });
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(CONVEYOR_SIMD_VECTOR)
 constexpr int64_t kPrefetchTokens = 16;  // how far ahead K and V rows are fetched
 
 // The same attention as decode_attention, for head_dim = kLanes * V, in vector registers: one task per
@@ -749,8 +608,6 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
   });
 }
 
-template <typename T>
-constexpr bool kSimdAttention = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 #endif
 
 // Writes out[query_rows[i]] for decode sequence seq_ids[i]; without seq_ids/query_rows, every sequence is
@@ -798,8 +655,8 @@ void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor
                 " does not fit its block table of ", capacity, " slots");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if constexpr (kSimdAttention<scalar_t>) {
+#if defined(CONVEYOR_SIMD_VECTOR)
+    if constexpr (simd::kVectorType<scalar_t>) {
       constexpr int64_t L = Simd::kLanes;
       switch (query.size(2)) {
         case 4 * L:

@@ -28,16 +28,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 // The op namespace; a test builds this file a second time for AVX2 under another name.
 #ifndef CONVEYOR_LINEAR_NAMESPACE
@@ -48,60 +46,37 @@
 namespace {
 
 using at::Tensor;
+using conveyor::simd::bf16_bits;
+using conveyor::simd::bf16_value;
+using conveyor::simd::prefetch;
 
-#if defined(__AVX512F__)
+#if defined(CONVEYOR_SIMD_AVX512)
 constexpr int64_t kPanel = 32;
 constexpr int kTileRows = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 zmm registers
-const char* const kIsa = "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(CONVEYOR_SIMD_AVX2)
 constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 ymm registers
-const char* const kIsa = "avx2";
 #else
 constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 8;
-const char* const kIsa = "scalar";
 #endif
 constexpr int64_t kHalf = kPanel / 2;
 constexpr int64_t kBlockRows = 256;  // rows of x per pass over the weight (they stay in cache)
 
-inline uint16_t bf16_bits(float value) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion (exact for bfloat16 values).
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float bf16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
+#if defined(CONVEYOR_SIMD_VECTOR)
+using conveyor::simd::Simd;
+using Vec = Simd::Vec;
+static_assert(kHalf == Simd::kLanes, "a panel row is two vectors");
 
 // Row k of a panel as float32 columns [0, BN/2) and [BN/2, BN).
-#if defined(__AVX512F__)
-using Vec = __m512;
 inline void load_row(const float* row, Vec& lo, Vec& hi) {
-  lo = _mm512_loadu_ps(row);
-  hi = _mm512_loadu_ps(row + kHalf);
+  lo = Simd::load(row);
+  hi = Simd::load(row + kHalf);
 }
 inline void load_row(const uint16_t* row, Vec& lo, Vec& hi) {
-  const __m512i words = _mm512_loadu_si512(row);
-  lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-  hi = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;
-inline void load_row(const float* row, Vec& lo, Vec& hi) {
-  lo = _mm256_loadu_ps(row);
-  hi = _mm256_loadu_ps(row + kHalf);
-}
-inline void load_row(const uint16_t* row, Vec& lo, Vec& hi) {
-  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-  hi = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  const Simd::Words words = Simd::load_words(row);
+  lo = Simd::bf16_low(words);
+  hi = Simd::bf16_high(words);
 }
 #endif
 
@@ -116,48 +91,30 @@ inline float weight_value(const uint16_t* row, int64_t j) {
 template <int ROWS, typename W>
 void tile(const float* x, int64_t ldx, const W* panel, int64_t K, const float* bias, float* out, int64_t ldo,
           int64_t cols, const W* next) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(CONVEYOR_SIMD_VECTOR)
   Vec lo[ROWS], hi[ROWS];
   for (int r = 0; r < ROWS; ++r) {
-#if defined(__AVX512F__)
-    lo[r] = hi[r] = _mm512_setzero_ps();
-#else
-    lo[r] = hi[r] = _mm256_setzero_ps();
-#endif
+    lo[r] = hi[r] = Simd::zero();
   }
-  constexpr int64_t kLines = (kPanel * sizeof(W) + 63) / 64;  // cache lines per panel row
   for (int64_t k = 0; k < K; ++k) {
     if (next != nullptr) {
-      for (int64_t line = 0; line < kLines; ++line) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel) + 64 * line, _MM_HINT_T1);
-      }
+      prefetch<2>(next + k * kPanel, kPanel);
     }
     Vec w_lo, w_hi;
     load_row(panel + k * kPanel, w_lo, w_hi);
     for (int r = 0; r < ROWS; ++r) {
-#if defined(__AVX512F__)
-      const Vec xv = _mm512_set1_ps(x[r * ldx + k]);
-      lo[r] = _mm512_fmadd_ps(xv, w_lo, lo[r]);
-      hi[r] = _mm512_fmadd_ps(xv, w_hi, hi[r]);
-#else
-      // set1 of a loaded value, not _mm256_broadcast_ss(pointer): GCC treats that read as possibly
-      // aliasing the accumulators (vector types may alias anything) and stored all 12 to the stack on
-      // every k, which halved the AVX2 tile (86 -> 200 GFLOP/s at 16 rows on 2 Zen 4 cores).
-      const Vec xv = _mm256_set1_ps(x[r * ldx + k]);
-      lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
-#endif
+      // set1 of a loaded value, not a broadcast from the pointer (_mm256_broadcast_ss): GCC treats that
+      // read as possibly aliasing the accumulators (vector types may alias anything) and stored all 12 to
+      // the stack on every k, which halved the AVX2 tile (86 -> 200 GFLOP/s at 16 rows on 2 Zen 4 cores).
+      const Vec xv = Simd::set1(x[r * ldx + k]);
+      lo[r] = Simd::fmadd(xv, w_lo, lo[r]);
+      hi[r] = Simd::fmadd(xv, w_hi, hi[r]);
     }
   }
   alignas(64) float acc[kPanel];
   for (int r = 0; r < ROWS; ++r) {
-#if defined(__AVX512F__)
-    _mm512_store_ps(acc, lo[r]);
-    _mm512_store_ps(acc + kHalf, hi[r]);
-#else
-    _mm256_store_ps(acc, lo[r]);
-    _mm256_store_ps(acc + kHalf, hi[r]);
-#endif
+    Simd::store(acc, lo[r]);
+    Simd::store(acc + kHalf, hi[r]);
     for (int64_t c = 0; c < cols; ++c) {
       out[r * ldo + c] = acc[c] + (bias ? bias[c] : 0.0f);
     }
@@ -252,15 +209,14 @@ void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K,
   const int64_t pairs = (K + 1) / 2;
   float acc[ROWS][kPanel];
 #if defined(__AVX512BF16__)
-  __m512 lo[ROWS], hi[ROWS];
+  Vec lo[ROWS], hi[ROWS];
   for (int r = 0; r < ROWS; ++r) {
-    lo[r] = hi[r] = _mm512_setzero_ps();
+    lo[r] = hi[r] = Simd::zero();
   }
   // One pair of rows k = 2i, 2i + 1 of the panel against each row's x pair (one 32-bit word).
   const auto step = [&](int64_t i, const uint16_t* words, int64_t stride) {
     if (next != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + i * 2 * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + i * 2 * kPanel) + 64, _MM_HINT_T1);
+      prefetch<2>(next + i * 2 * kPanel, 2 * kPanel);
     }
     const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(panel + i * 2 * kPanel);
     const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(panel + i * 2 * kPanel + kPanel);
@@ -284,8 +240,8 @@ void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K,
     step(K / 2, words, 2);
   }
   for (int r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(acc[r], lo[r]);
-    _mm512_storeu_ps(acc[r] + kHalf, hi[r]);
+    Simd::store(acc[r], lo[r]);
+    Simd::store(acc[r] + kHalf, hi[r]);
   }
 #else
   (void)next;
@@ -413,7 +369,7 @@ Tensor linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>
   return out;
 }
 
-std::string isa() { return kIsa; }
+std::string isa() { return conveyor::simd::kIsa; }
 
 bool bf16_dot() { return kBf16Dot; }
 
