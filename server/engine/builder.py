@@ -84,13 +84,8 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         model = loader.load_model(source, hf_config, dtype, device, ops, mc.load_format, tp)
         logger.info("%s", pack_weights(model, ops, dtype, device))
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
+        max_model_len = _max_model_len(mc.max_model_len, model.shape)
         shape = model.shape
-        max_model_len = mc.max_model_len or shape.max_position_embeddings
-        if max_model_len > shape.max_position_embeddings:
-            raise ValueError(
-                f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{shape.max_position_embeddings}"
-            )
         check_prompt_fits_step(sc, max_model_len)  # max_model_len may be the model's own here
         kv_bytes_per_token = capacity.kv_bytes_per_token(
             shape.num_layers,
@@ -153,6 +148,25 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         if workers is not None:
             workers.shutdown()
         raise
+
+
+def _max_model_len(flag: int | None, shape: ModelShape) -> int:
+    """`--max-model-len` checked against the model, or the model's own limit when not given.
+
+    Sliding-window attention is not implemented yet: a model whose layers slide serves sequences up to
+    its window only (where a window and full attention agree), as vLLM did before it had the kernels.
+    Raises ValueError naming the flag."""
+    limit, why = shape.max_position_embeddings, "max_position_embeddings"
+    if shape.sliding_window is not None and shape.sliding_window < limit:
+        limit, why = shape.sliding_window, "sliding_window (sliding-window attention is not implemented)"
+        if flag is None:
+            logger.warning(
+                "max_model_len %d: the model's sliding_window; sliding-window attention is not implemented",
+                limit,
+            )
+    if flag is not None and flag > limit:
+        raise ValueError(f"--max-model-len {flag} exceeds the model's {why} {limit}")
+    return flag or limit
 
 
 def _start_workers(

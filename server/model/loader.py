@@ -43,7 +43,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DUMMY_WEIGHT_RANGE = (-1e-3, 1e-3)
 DUMMY_WEIGHT_SEED = 1234
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+SUPPORTED_MODEL_TYPES = {"granite", "llama", "mistral", "qwen2", "qwen3"}
 
 
 class ModelNotFoundError(FileNotFoundError):

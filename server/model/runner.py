@@ -249,8 +249,9 @@ def fused_layer_loop(
     model: LlamaForCausalLM, ops: KernelBackend, device: torch.device
 ) -> DecoderLayers | None:
     """The C++ layer loop over `model`'s (packed) weights where it runs: the C++ CPU backend, a CPU
-    device, one rank. None elsewhere (the model's Python layers run)."""
-    if device.type != "cpu" or ops is not cpu_kernels or model.tp.size != 1:
+    device, one rank, and Llama's own layers (`ModelShape.plain_llama`: no qk-norm, no multipliers).
+    None elsewhere (the model's Python layers run)."""
+    if device.type != "cpu" or ops is not cpu_kernels or model.tp.size != 1 or not model.shape.plain_llama:
         return None
     norms, linears = model.layer_parts()
     shape = model.shape

@@ -42,6 +42,17 @@ def _config(kind: str):
         return transformers.MistralConfig(**SHAPE, sliding_window=None)
     if kind == "qwen2":  # q/k/v projections with bias
         return transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False)
+    if kind == "qwen3":  # per-head q/k RMSNorm; head_dim 48, not hidden_size / heads = 32
+        return transformers.Qwen3Config(**SHAPE, head_dim=48, tie_word_embeddings=True)
+    if kind == "granite":  # every multiplier away from 1, and biases on q/k/v and o
+        return transformers.GraniteConfig(
+            **SHAPE,
+            embedding_multiplier=6.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.05,
+            logits_scaling=4.0,
+            attention_bias=True,
+        )
     raise ValueError(kind)
 
 
@@ -52,7 +63,9 @@ def tokenizer():
     return load_tokenizer(resolve_model(None))
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-sharded", "llama3-rope-scaling", "mistral", "qwen2"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "llama-sharded", "llama3-rope-scaling", "mistral", "qwen2", "qwen3", "granite"]
+)
 def test_random_model_from_a_local_directory_matches_transformers(kind, tokenizer, tmp_path):
     import transformers
 
@@ -61,10 +74,14 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
     config.eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if kind == "qwen2":  # random biases, so the test notices if they are dropped
-        for layer in hf.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+    for layer in hf.model.layers:  # random biases and norm weights, so the test notices a dropped one
+        attn = layer.self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            if proj.bias is not None:
                 torch.nn.init.normal_(proj.bias, std=0.5)
+        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if norm is not None:
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
     if kind == "llama-sharded":  # several files and model.safetensors.index.json, as large checkpoints are
         hf.save_pretrained(tmp_path, max_shard_size="1MB")
         assert (tmp_path / "model.safetensors.index.json").is_file()
@@ -93,6 +110,22 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
         assert ours[str(i)] == ref[0, len(p) :].tolist(), f"{kind}: prompt {i}"
+
+
+def test_a_sliding_window_model_serves_up_to_its_window(tokenizer, tmp_path):
+    """Sliding-window attention is not implemented: a Mistral whose window is shorter than its
+    positions serves sequences up to the window (where window and full attention agree), and a longer
+    --max-model-len is refused naming the window."""
+    import transformers
+
+    config = transformers.MistralConfig(**SHAPE, sliding_window=128, vocab_size=len(tokenizer))
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    small = CacheConfig(kv_cache_memory=1 << 22)
+    engine = build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path)), cache=small))
+    assert engine.max_model_len == 128
+    with pytest.raises(ValueError, match="--max-model-len 256 exceeds the model's sliding_window"):
+        build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path), max_model_len=256), cache=small))
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over packed tokens and a paged KV cache.
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3, Granite, SmolLM) over packed tokens and a
+paged KV cache, built from the config's features (`ModelShape`): q/k/v biases, per-head RMSNorm on q and
+k before rotary (Qwen3), a head_dim apart from hidden_size / num_heads, and Granite's multipliers
+(embeddings, residual branches, attention scale, logits).
 
 One forward pass runs every token of the step at once: `[num_tokens, hidden_size]`, no batch axis, no
 padding. Attention, norms, rotary embedding and the MLP gate call the kernel backend
@@ -37,10 +40,43 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    # The output projection's bias (Llama and Granite put `attention_bias` on it too; Qwen2 does not).
+    o_proj_bias: bool = False
+    # Per-head RMSNorm of q and k before rotary (Qwen3).
+    qk_norm: bool = False
+    # Granite: embeddings x embedding_multiplier; each residual branch x residual_multiplier before it
+    # is added; attention scale attention_multiplier (None: head_dim ** -0.5); logits / logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # Tokens a sliding-window layer attends to (None: every layer attends to the whole sequence).
+    sliding_window: int | None = None
+
+    @property
+    def plain_llama(self) -> bool:
+        """True when the decoder is Llama's own (no qk-norm, no multipliers): what the C++ layer loop
+        (`kernels/csrc/decoder.cpp`) computes."""
+        return (
+            not self.qk_norm
+            and not self.o_proj_bias
+            and self.embedding_multiplier == 1.0
+            and self.residual_multiplier == 1.0
+            and self.attention_multiplier is None
+            and self.logits_scaling == 1.0
+        )
 
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
-        """Accepts a transformers `PretrainedConfig` of a Llama-like model (v4 or v5 rope fields)."""
+        """Accepts a transformers `PretrainedConfig` of a Llama-like model (v4 or v5 rope fields).
+        Raises ValueError for a feature this decoder does not implement (naming the config field)."""
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(
+                f"hidden_act {act!r} is not supported for model type {config.model_type!r}; expected 'silu'"
+            )
+        if getattr(config, "mlp_bias", False):
+            raise ValueError(f"mlp_bias is not supported (model type {config.model_type!r})")
         rope = dict(getattr(config, "rope_parameters", None) or {})
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         scaling = (
@@ -60,9 +96,33 @@ class ModelShape:
             rope_scaling=scaling,
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            # Qwen2 has q/k/v biases; Llama exposes `attention_bias`.
+            # Qwen2 has q/k/v biases; Llama exposes `attention_bias` (q/k/v and o).
             attention_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+            o_proj_bias=bool(getattr(config, "attention_bias", False))
+            and config.model_type in ("llama", "granite"),
+            qk_norm=config.model_type == "qwen3",
+            embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0)),
+            residual_multiplier=float(getattr(config, "residual_multiplier", 1.0)),
+            attention_multiplier=(
+                float(config.attention_multiplier) if config.model_type == "granite" else None
+            ),
+            logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
+            sliding_window=_sliding_window(config),
         )
+
+
+def _sliding_window(config) -> int | None:
+    """The window of the config's sliding-attention layers, None when no layer slides (Mistral's
+    `sliding_window`; Qwen2/3's only under `use_sliding_window`; `layer_types` where the config has it)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
 
 
 class RMSNorm(nn.Module):
@@ -94,8 +154,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(
             shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
-        self.scale = shape.head_dim**-0.5
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_proj_bias)
+        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
+        self.scale = shape.attention_multiplier or shape.head_dim**-0.5
         self.ops = ops
         self.tp = tp
 
@@ -112,6 +174,11 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head, over head_dim (Qwen3)
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
+                num_tokens, self.num_kv_heads, self.head_dim
+            )
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache, meta.prepared)
         key_cache, value_cache = kv_cache
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -151,12 +218,18 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(shape, ops, part, tp)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.mlp = LlamaMLP(shape, ops, part, tp)
+        self.residual_multiplier = shape.residual_multiplier
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
+        if self.residual_multiplier != 1.0:  # Granite scales each branch before the residual add
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -192,11 +265,15 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: `[num_tokens]` int64 -> `[num_tokens, hidden_size]` (vocabulary-parallel lookup)."""
         if self.tp.size == 1:
-            return self.embed_tokens(input_ids)
-        local = input_ids - self.partition.vocab_start
-        outside = (local < 0) | (local >= self.partition.vocab_per_rank)
-        hidden = self.embed_tokens(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+            hidden = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - self.partition.vocab_start
+            outside = (local < 0) | (local >= self.partition.vocab_per_rank)
+            hidden = self.embed_tokens(local.masked_fill(outside, 0))
+            hidden = self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+        if self.shape.embedding_multiplier != 1.0:
+            hidden = hidden * self.shape.embedding_multiplier
+        return hidden
 
     def forward(
         self,
@@ -227,7 +304,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: `[num_rows, hidden_size]` -> logits `[num_rows, vocab_size]` (on rank 0; None on the
         other ranks of a tensor-parallel group)."""
-        return self.tp.gather_logits(self.lm_head(hidden), self.shape.vocab_size)
+        logits = self.tp.gather_logits(self.lm_head(hidden), self.shape.vocab_size)
+        if logits is not None and self.shape.logits_scaling != 1.0:
+            logits = logits / self.shape.logits_scaling
+        return logits
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict) -> None:
@@ -284,6 +364,12 @@ class LlamaForCausalLM(nn.Module):
             if attn.qkv_proj.bias is not None:
                 attn.qkv_proj.bias.copy_(qkv("bias"))
             attn.o_proj.weight.copy_(cols(get(p + "self_attn.o_proj.weight"), *q_rows))
+            if attn.o_proj.bias is not None:  # added once: rank 0's shard holds it, the others zeros
+                bias = get(p + "self_attn.o_proj.bias")
+                attn.o_proj.bias.copy_(bias if self.tp.rank == 0 else torch.zeros_like(bias))
+            if attn.q_norm is not None:
+                attn.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
+                attn.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))
             gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
             layer.mlp.gate_up_proj.weight.copy_(torch.cat([rows(gate, *mlp_rows), rows(up, *mlp_rows)]))
             layer.mlp.down_proj.weight.copy_(cols(get(p + "mlp.down_proj.weight"), *mlp_rows))
