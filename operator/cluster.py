@@ -1,5 +1,6 @@
-"""Every Kubernetes API call the operator makes (the one I/O seam; tests/unit/test_handlers.py has a
-stand-in with the same methods)."""
+"""Every Kubernetes API call the operator makes: `ClusterAPI`, the one I/O seam reconcile and the
+autoscaler's step go through, and `Cluster`, its implementation over the API server
+(tests/unit/test_handlers.py has an in-memory one); `AccessReview`, the start-up permission check."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes import client, config, dynamic
 from kubernetes.client.exceptions import ApiException
@@ -95,8 +96,40 @@ def _quantity_int(value: str) -> int:
         return 0
 
 
+class ClusterAPI(Protocol):
+    """What the operator needs of the Kubernetes API; `Cluster` documents each call."""
+
+    def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def inference_services(self, namespaces: list[str]) -> list[tuple[str, str]]: ...
+
+    def has_api(self, api_version: str, kind: str) -> bool: ...
+
+    def refresh_discovery(self) -> None: ...
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]: ...
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool: ...
+
+    def pods(self, namespace: str, name: str, selector: str | None = None) -> tuple[list[str], list[str]]: ...
+
+    def unschedulable(self, namespace: str, name: str) -> tuple[int, str] | None: ...
+
+    def largest_gpu_node(self, product_label: str | None) -> int | None: ...
+
+    def remove_env(
+        self, namespace: str, name: str, container: str, names: list[str], env_from: bool
+    ) -> None: ...
+
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> None: ...
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+
 class Cluster:
-    """The Kubernetes API calls the reconciler makes (the only I/O in the operator)."""
+    """`ClusterAPI` over the API server (the only I/O in the operator's reconciling)."""
 
     def __init__(self, api_client: client.ApiClient) -> None:
         self.dynamic = dynamic.DynamicClient(api_client)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client import Counter, Gauge
 
-from conveyor.operator.autoscaler import Observation
+from conveyor.operator.autoscaler import Decision, Observation
 
 TTFT = "conveyor:time_to_first_token_seconds"
 WAITING = "conveyor:num_requests_waiting"
@@ -198,3 +198,15 @@ class PrometheusSource:
 
     def close(self) -> None:
         self._client.close()
+
+
+def record_decision(
+    namespace: str, name: str, decision: Decision, reading: Reading, now_seconds: float
+) -> None:
+    """Count one autoscaling decision of an InferenceService, and the queries its reading could not
+    answer, in the operator's own series (`now_seconds`: Unix time)."""
+    DECISIONS.labels(namespace, name, decision.reason).inc()
+    LAST_DECISION.labels(namespace, name).set(now_seconds)
+    DESIRED.labels(namespace, name).set(decision.replicas)
+    for query in reading.errors:
+        QUERY_ERRORS.labels(namespace, name, query).inc()

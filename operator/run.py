@@ -21,13 +21,25 @@ import random
 import re
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kopf
 import prometheus_client
 
 from conveyor.operator.render import KedaSettings
 from conveyor.operator.spec import DEFAULT_IMAGE, DNS1123_SUBDOMAIN, LABEL_KEY, LABEL_VALUE
+
+if TYPE_CHECKING:
+    from conveyor.operator.memo import OperatorMemo
+
+
+# What some flags' values must match, and their defaults: the chart's values take theirs from these
+# (operator/chart.py), so that a value the schema admits is one the operator accepts.
+URL_PATTERN = r"https?://[^/\s]+"
+KEDA_AUTH_MODES = r"(bearer|basic|tls|custom)(,(bearer|basic|tls|custom))*"
+AUTOSCALE_INTERVAL_SECONDS = 15
+METRICS_PORT = 8081
+KEDA_POLLING_INTERVAL_SECONDS = 15
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,14 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--autoscale-interval",
         metavar="SECONDS",
         type=_positive_seconds,
-        default=15.0,
-        help="seconds between two builtin-autoscaler steps of one InferenceService (default 15)",
+        default=AUTOSCALE_INTERVAL_SECONDS,
+        help=f"seconds between two builtin-autoscaler steps of one InferenceService (default "
+        f"{AUTOSCALE_INTERVAL_SECONDS})",
     )
     parser.add_argument(
         "--metrics-port",
         type=_port,
-        default=8081,
-        help="port of the operator's own Prometheus metrics at /metrics (0: off; default 8081)",
+        default=METRICS_PORT,
+        help=f"port of the operator's own Prometheus metrics at /metrics (0: off; default {METRICS_PORT})",
     )
     parser.add_argument(
         "--service-monitor-label",
@@ -144,15 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--keda-polling-interval",
         metavar="SECONDS",
         type=_positive_int,
-        default=15,
-        help="seconds between KEDA's queries (default 15)",
+        default=KEDA_POLLING_INTERVAL_SECONDS,
+        help=f"seconds between KEDA's queries (default {KEDA_POLLING_INTERVAL_SECONDS})",
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
 
 def _url(text: str) -> str:
-    if not re.match(r"^https?://[^/\s]+", text):
+    if not re.match(f"^{URL_PATTERN}", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
     return text
 
@@ -194,7 +207,7 @@ def _image(text: str) -> str:
 
 
 def _auth_modes(text: str) -> str:
-    if not re.match(r"^(bearer|basic|tls|custom)(,(bearer|basic|tls|custom))*$", text):
+    if not re.match(f"^{KEDA_AUTH_MODES}$", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not bearer, basic, tls or custom (comma-separated)")
     return text
 
@@ -247,11 +260,11 @@ def _label(text: str) -> tuple[str, str]:
 
 class _QuietRoutine(logging.Filter):
     """Drops kopf's INFO lines for routine handlers: "Timer 'autoscale' succeeded." every autoscaling
-    step, "Handler 'on_child' succeeded." on every status change of a child or pod. Their failures,
-    and everything our handlers log, stay."""
+    step, "Handler 'on_child' succeeded." on every status change of a child or pod, and on every
+    deletion "Handler 'on_deleted' succeeded.". Their failures, and everything our handlers log, stay."""
 
     # kopf names a timer by its id and field: "Timer 'autoscale/spec.autoscaling' succeeded."
-    _ROUTINE = ("Timer 'autoscale", "Handler 'on_child'", "Handler 'on_pod'")
+    _ROUTINE = ("Timer 'autoscale", "Handler 'on_child'", "Handler 'on_pod'", "Handler 'on_deleted'")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno <= logging.INFO and record.getMessage().startswith(self._ROUTINE))
@@ -298,6 +311,28 @@ def check_permissions(namespaces: list[str], *, peering: str | None) -> tuple[st
     return (missing_message(missing, identity) if missing else None), peering
 
 
+def build_memo(args: argparse.Namespace) -> OperatorMemo:
+    """The operator's state from its parsed flags, for `kopf.run(memo=...)` (the cluster is connected
+    by the start-up handler)."""
+    from conveyor.operator.memo import OperatorMemo, OperatorSettings
+    from conveyor.operator.scaling import prometheus_source
+
+    keda = KedaSettings(
+        args.keda_prometheus_url or args.prometheus_url,
+        args.keda_authentication,
+        args.keda_auth_modes,
+        args.keda_polling_interval,
+    )
+    settings = OperatorSettings(
+        server_image=args.server_image,
+        namespaces=tuple(args.namespace),
+        service_monitor_labels=dict(args.service_monitor_label),
+        network_policy_from=args.network_policy_from,
+        keda=keda,
+    )
+    return OperatorMemo(settings, prometheus_source(args.prometheus_url, args.autoscale_interval))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the operator until interrupted; returns the exit status (1: a permission it needs is
     missing, or the API server could not be asked)."""
@@ -324,15 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     # Importing registers the handlers with kopf's default registry.
     from conveyor.operator import handlers
 
-    handlers.configure_scope(list(args.namespace), dict(args.service_monitor_label))
-    keda = KedaSettings(
-        args.keda_prometheus_url or args.prometheus_url,
-        args.keda_authentication,
-        args.keda_auth_modes,
-        args.keda_polling_interval,
-    )
-    handlers.configure_children(args.server_image, args.network_policy_from, keda)
-    handlers.configure_autoscaler(args.prometheus_url, args.autoscale_interval)
+    handlers.register_autoscale_timer(args.autoscale_interval)
+    memo = build_memo(args)
     if args.metrics_port:
         try:
             prometheus_client.start_http_server(args.metrics_port)
@@ -347,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
     namespaces = list(args.namespace)
     kopf.run(
+        memo=memo,
         standalone=peering is None,
         priority=args.priority,
         peering_name=args.peering,

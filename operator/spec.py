@@ -33,7 +33,8 @@ SHORT_NAMES = ["cisvc"]
 
 # The server image (images/server.Dockerfile) of resources without `spec.image`, unless the operator is
 # given another (`conveyor operator --server-image`, the chart's `serverImage`).
-DEFAULT_IMAGE = f"ghcr.io/conveyor-dev/conveyor-server:{importlib.metadata.version('conveyor')}"
+SERVER_IMAGE_REPOSITORY = "ghcr.io/conveyor-dev/conveyor-server"
+DEFAULT_IMAGE = f"{SERVER_IMAGE_REPOSITORY}:{importlib.metadata.version('conveyor')}"
 
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 

@@ -1,12 +1,16 @@
 """An InferenceService's `.status` from its plan and its Deployment's status (pure functions).
 
 Conditions follow metav1.Condition: `lastTransitionTime` moves only when a condition's status changes,
-so re-running a reconcile with nothing new produces an identical status and no write.
+so re-running a reconcile with nothing new produces an identical status and no write. Reconcile's
+conditions are decided together, as one set (`build_status`); Ready is KServe's living condition over
+what it depends on. The builtin autoscaler writes Scaling and MetricsAvailable (`autoscaler_status`),
+each in place by type.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import datetime
+from typing import Any, NamedTuple
 
 from conveyor.operator.autoscaler import Decision, History, Recommendation, ScaleEvent
 from conveyor.operator.catalog import GiB
@@ -18,6 +22,30 @@ from conveyor.operator.spec import InferenceServiceSpec
 CAPACITY_PLANNED = "CapacityPlanned"
 READY = "Ready"
 SCALING = "Scaling"
+METRICS_AVAILABLE = "MetricsAvailable"
+
+# Ready=False reasons for children the API server refuses, by HTTP status (409: the name is taken by
+# an object another controller owns, e.g. the server Deployment of an InferenceService `x-router` and
+# the router Deployment of `x`), and for any other refusal.
+APPLY_FAILURE_REASONS = {403: "ApplyForbidden", 409: "NameConflict"}
+APPLY_FAILURE_REASON = "ApplyFailed"
+# The reason of a condition whose step a missing permission stopped (a 403 outside an apply).
+FORBIDDEN = "Forbidden"
+KEDA_NOT_INSTALLED = "KEDANotInstalled"
+PODS_UNSCHEDULABLE = "PodsUnschedulable"
+
+
+class Verdict(NamedTuple):
+    """A condition's status, reason and message, before `make_condition` dates it."""
+
+    status: bool
+    reason: str
+    message: str
+
+
+def rfc3339(unix_seconds: float) -> str:
+    """A status timestamp: RFC 3339 in UTC, to the second."""
+    return datetime.datetime.fromtimestamp(unix_seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def make_condition(
@@ -102,66 +130,68 @@ def _replica_counts(deployment: dict[str, Any] | None) -> tuple[int, int, int, i
     )
 
 
-def workload_conditions(
-    spec: InferenceServiceSpec,
+def living(*dependents: Verdict) -> Verdict:
+    """KServe's living condition set (knative.dev/pkg/apis/condition_set.go): the happy condition is
+    True when every dependent is, with the last dependent's reason and message; otherwise it is False
+    with the reason and message of the first dependent that is not."""
+    return next((d for d in dependents if not d.status), dependents[-1])
+
+
+def available(
+    spec: InferenceServiceSpec | None,
     deployment: dict[str, Any] | None,
-    *,
-    generation: int | None,
-    now: str,
-    previous: list[dict[str, Any]],
     unschedulable: tuple[int, str] | None = None,
     router: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """The Ready and Scaling conditions from the Deployment's status; `unschedulable` is (pods, the
-    scheduler's message) for pods that cannot be placed, which Ready then names. With the router
-    enabled, `router` is its Deployment (None: not created yet), and Ready needs it rolled out too
-    (requests reach the replicas through it)."""
+) -> Verdict:
+    """Whether the replicas answer, from the Deployment's status; `unschedulable` is (pods, the
+    scheduler's message) for pods that cannot be placed, which it then names. With the router enabled,
+    `router` is its Deployment (None: not created yet), which must be rolled out too (requests reach
+    the replicas through it)."""
     desired, current, ready, updated, observed = _replica_counts(deployment)
     if deployment is None:
-        ready_cond = (False, "DeploymentMissing", "the server Deployment does not exist yet")
+        verdict = Verdict(False, "DeploymentMissing", "the server Deployment does not exist yet")
     elif desired == 0:
-        ready_cond = (False, "ScaledToZero", "replicas is 0")
+        verdict = Verdict(False, "ScaledToZero", "replicas is 0")
     elif not observed:
-        ready_cond = (False, "RolloutPending", "the Deployment controller has not seen the new spec yet")
+        verdict = Verdict(False, "RolloutPending", "the Deployment controller has not seen the new spec yet")
     elif ready >= desired and updated >= desired and (current == desired or updated == current):
         # updated == current > desired: a scale-down whose extra pods are still counted, no old pods
-        ready_cond = (True, "ReplicasReady", f"{ready}/{desired} replicas ready")
+        verdict = Verdict(True, "ReplicasReady", f"{ready}/{desired} replicas ready")
     elif unschedulable is not None:
         count, why = unschedulable
-        ready_cond = (
+        verdict = Verdict(
             False,
-            "PodsUnschedulable",
+            PODS_UNSCHEDULABLE,
             f"{ready}/{desired} replicas ready; {count} pod(s) cannot be scheduled: {why}",
         )
     else:
-        ready_cond = (False, "ReplicasNotReady", f"{ready}/{desired} replicas ready, {updated} updated")
-    if ready_cond[0] and spec.router_enabled:
+        verdict = Verdict(False, "ReplicasNotReady", f"{ready}/{desired} replicas ready, {updated} updated")
+    if verdict.status and spec is not None and spec.router_enabled:
         r_desired, r_current, r_ready, r_updated, r_observed = _replica_counts(router)
         if router is None or not (
             r_observed and r_ready >= r_desired and r_updated >= r_desired and r_current == r_desired
         ):
-            ready_cond = (
+            verdict = Verdict(
                 False,
                 "RouterNotReady",
                 f"{ready}/{desired} replicas ready; router {r_ready}/{r_desired} ready, {r_updated} updated",
             )
+    return verdict
 
+
+def rollout(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> Verdict:
+    """The Scaling condition from the Deployment alone: scaling up or down, rolling out, or stable."""
+    desired, current, _, updated, observed = _replica_counts(deployment)
     bounds = ""
     if spec.autoscaling is not None:
         bounds = f" (autoscaling between {spec.autoscaling.min_replicas} and {spec.autoscaling.max_replicas})"
     if deployment is not None and current < desired:
-        scaling_cond = (True, "ScalingUp", f"{current} -> {desired} replicas{bounds}")
-    elif deployment is not None and current > desired:
-        scaling_cond = (True, "ScalingDown", f"{current} -> {desired} replicas{bounds}")
-    elif deployment is not None and (updated < desired or not observed):
-        scaling_cond = (True, "RollingOut", f"{updated}/{desired} replicas updated{bounds}")
-    else:
-        scaling_cond = (False, "Stable", f"{desired} replicas{bounds}")
-
-    return [
-        make_condition(READY, *ready_cond, generation=generation, now=now, previous=previous),
-        make_condition(SCALING, *scaling_cond, generation=generation, now=now, previous=previous),
-    ]
+        return Verdict(True, "ScalingUp", f"{current} -> {desired} replicas{bounds}")
+    if deployment is not None and current > desired:
+        return Verdict(True, "ScalingDown", f"{current} -> {desired} replicas{bounds}")
+    if deployment is not None and (updated < desired or not observed):
+        return Verdict(True, "RollingOut", f"{updated}/{desired} replicas updated{bounds}")
+    return Verdict(False, "Stable", f"{desired} replicas{bounds}")
 
 
 def build_status(
@@ -182,92 +212,65 @@ def build_status(
 ) -> dict[str, Any]:
     """The full `.status` object.
 
-    `unschedulable` is (pods, the scheduler's message) when pods cannot be placed. `router` is the
-    live router Deployment when `spec.router` is enabled (None: not created yet).
-    `scaling_problem` is `(reason, message)` when the configured autoscaler cannot run (its API is
-    missing); it becomes the Scaling condition. `apply_failure` is `(reason, message)` when the API
-    server refused a child; it becomes the Ready condition.
-
     Either `plan` is set (capacity planned) or `failure` is `(reason, message)` for a spec that cannot
     be planned; `deployment` is the live Deployment object or None. `previous` is the current status.
+    `unschedulable` is (pods, the scheduler's message) when pods cannot be placed. `router` is the
+    live router Deployment when `spec.router` is enabled (None: not created yet). `scaling_problem`
+    is `(reason, message)` when the configured autoscaler cannot run (its API is missing);
+    `apply_failure` is `(reason, message)` when the API server refused a child.
+
+    The conditions are decided together, each once, in this order:
+
+    CapacityPlanned   the plan, or `failure`.
+    Ready             living(Applied, Planned, Available): the children were applied (else
+                      `apply_failure`), a plan runs (the new one, or the earlier one whose Deployment
+                      still serves an unplannable edit), and `available` says the replicas answer.
+    Scaling           the builtin autoscaler's, as it wrote it, once it has decided; else
+                      `scaling_problem`; else the Deployment's rollout.
+    MetricsAvailable  the builtin autoscaler's, as it wrote it (absent under any other engine).
     """
-    conditions_before = previous.get("conditions") or []
-    if plan is not None:
-        planned = make_condition(
-            CAPACITY_PLANNED,
-            True,
-            "Planned",
-            capacity_message(plan),
-            generation=generation,
-            now=now,
-            previous=conditions_before,
-        )
-    else:
-        reason, message = failure or ("Unknown", "")
-        planned = make_condition(
-            CAPACITY_PLANNED,
-            False,
-            reason,
-            message,
-            generation=generation,
-            now=now,
-            previous=conditions_before,
-        )
-    if spec is not None:
-        workload = workload_conditions(
-            spec,
-            deployment,
-            generation=generation,
-            now=now,
-            previous=conditions_before,
-            unschedulable=unschedulable,
-            router=router,
-        )
-    else:
-        workload = [
-            make_condition(
-                t,
-                False,
-                "InvalidSpec",
-                "the spec cannot be used: see CapacityPlanned",
-                generation=generation,
-                now=now,
-                previous=conditions_before,
-            )
-            for t in (READY, SCALING)
-        ]
-    if scaling_problem is not None:
-        workload[1] = make_condition(
-            SCALING, False, *scaling_problem, generation=generation, now=now, previous=conditions_before
-        )
+    before = previous.get("conditions") or []
+
+    def stamped(type_: str, verdict: Verdict) -> dict[str, Any]:
+        return make_condition(type_, *verdict, generation=generation, now=now, previous=before)
+
+    invalid = Verdict(False, "InvalidSpec", "the spec cannot be used: see CapacityPlanned")
+    planned = (
+        Verdict(True, "Planned", capacity_message(plan))
+        if plan is not None
+        else Verdict(False, *(failure or ("Unknown", "")))
+    )
+    applied = Verdict(False, *apply_failure) if apply_failure is not None else Verdict(True, "Applied", "")
     if plan is None and deployment is None:
-        # Nothing runs, so Ready says why: the capacity plan failed.
-        workload[0] = make_condition(
-            READY,
-            False,
-            "CapacityNotPlanned",
-            "no Deployment is created until the capacity plan succeeds",
-            generation=generation,
-            now=now,
-            previous=conditions_before,
+        runs_a_plan = Verdict(
+            False, "CapacityNotPlanned", "no Deployment is created until the capacity plan succeeds"
         )
-    if apply_failure is not None:
-        workload[0] = make_condition(
-            READY, False, *apply_failure, generation=generation, now=now, previous=conditions_before
-        )
-    desired, current, ready, _, _ = _replica_counts(deployment)
-    conditions = [planned, *workload]
+    else:
+        runs_a_plan = invalid if spec is None else Verdict(True, "Planned", "")
+    ready_condition = living(applied, runs_a_plan, available(spec, deployment, unschedulable, router))
+
     builtin = spec is not None and spec.autoscaling is not None and spec.autoscaling.engine == "builtin"
+    decided = builtin and bool(previous.get("autoscaler"))
+    kept_scaling = next((c for c in before if c.get("type") == SCALING), None) if decided else None
+    if kept_scaling is not None:
+        scaling = kept_scaling
+    elif scaling_problem is not None:
+        scaling = stamped(SCALING, Verdict(False, *scaling_problem))
+    else:
+        scaling = stamped(SCALING, invalid if spec is None else rollout(spec, deployment))
+    metrics = [c for c in before if c.get("type") == METRICS_AVAILABLE] if builtin else []
+
+    desired, current, ready, _, _ = _replica_counts(deployment)
     if builtin:
-        # Scaling and MetricsAvailable tell the autoscaler's last decision once it has made one.
-        kept = next((c for c in conditions_before if c.get("type") == SCALING), None)
-        if kept is not None and previous.get("autoscaler"):
-            conditions[2] = kept
-        conditions += [c for c in conditions_before if c.get("type") == METRICS_AVAILABLE]
         desired = previous.get("desiredReplicas", desired)
     return {
         "observedGeneration": generation,
-        "conditions": conditions,
+        "conditions": [
+            stamped(CAPACITY_PLANNED, planned),
+            stamped(READY, ready_condition),
+            scaling,
+            *metrics,
+        ],
         "desiredReplicas": desired if deployment is not None else None,
         # The autoscaler's own fields; cleared once the builtin autoscaler no longer runs.
         "lastScaleTime": previous.get("lastScaleTime") if builtin else None,
@@ -299,7 +302,6 @@ def _url(
     return service_url(router_name(name), namespace) if router_ready > 0 and (ready > 0 or wakes) else None
 
 
-METRICS_AVAILABLE = "MetricsAvailable"
 # Decisions kept in `status.autoscaler.decisions`.
 DECISIONS_KEPT = 5
 
@@ -413,14 +415,15 @@ def autoscaler_status(
     )
     details = "; ".join(f"{k}: {v}" for k, v in sorted(status_errors(reading).items()))
     if decision.metrics_available and not reading.errors:
-        available = (True, "PrometheusQueried", "every targeted signal was read")
+        read = Verdict(True, "PrometheusQueried", "every targeted signal was read")
     elif decision.metrics_available:
-        available = (True, "PartialMetrics", details)
+        read = Verdict(True, "PartialMetrics", details)
     else:
-        available = (False, "MetricsUnavailable", f"holding {current} replicas: {details or 'no data'}")
+        read = Verdict(False, "MetricsUnavailable", f"holding {current} replicas: {details or 'no data'}")
     metrics_condition = make_condition(
-        METRICS_AVAILABLE, *available, generation=generation, now=now, previous=conditions_before
+        METRICS_AVAILABLE, *read, generation=generation, now=now, previous=conditions_before
     )
+    # Only the autoscaler's two conditions change; reconcile's stay as it wrote them.
     conditions = with_conditions(conditions_before, scaling, metrics_condition)
     patch: dict[str, Any] = {
         "conditions": conditions,

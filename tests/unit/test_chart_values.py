@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,16 +14,31 @@ from pydantic import ValidationError
 
 from conveyor.operator.chart import (
     CHART,
+    DEPLOYMENT_PATH,
     SCHEMA_PATH,
     ChartValues,
+    deployment_with_flags,
     schema_text,
 )
+from conveyor.operator.run import build_parser
 
 REGENERATE = "stale: run `make generate`"
 
 
 def test_values_schema_json_is_generated_from_the_model() -> None:
     assert SCHEMA_PATH.read_text() == schema_text(), REGENERATE
+
+
+def test_deployment_flags_are_generated_from_the_values() -> None:
+    template = DEPLOYMENT_PATH.read_text()
+    assert deployment_with_flags(template) == template, REGENERATE
+
+
+def test_the_chart_passes_every_operator_flag() -> None:
+    """A flag added to `conveyor operator` is given a value (OperatorFlag) or passed by the template."""
+    template = DEPLOYMENT_PATH.read_text()
+    flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    assert sorted(f for f in flags if not re.search(rf"(?<![-\w]){f}(?![-\w])", template)) == []
 
 
 def test_values_yaml_holds_exactly_the_models_defaults() -> None:

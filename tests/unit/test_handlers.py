@@ -1,7 +1,10 @@
 """The reconcile loop's decisions against an in-memory stand-in for the API (the real API server is in
-tests/k8s/test_operator.py): what is applied, which events are posted, when status is written."""
+tests/k8s/test_operator.py): what is applied, which events are posted, when status is written.
+`reconcile` runs without kopf; the handlers' own work (locks, the Forbidden report) is tested through
+them with kopf's event poster replaced."""
 
 import copy
+import inspect
 import json
 import logging
 from typing import Any
@@ -9,7 +12,11 @@ from typing import Any
 import pytest
 
 from conveyor.operator import handlers
-from conveyor.operator.cluster import ApplyError, configuration
+from conveyor.operator.cluster import ApplyError, Cluster, ClusterAPI, configuration
+from conveyor.operator.memo import OperatorMemo, OperatorSettings
+from conveyor.operator.reconcile import Reconciled, desired_replicas, parse
+from conveyor.operator.reconcile import reconcile as reconcile_resource
+from conveyor.operator.spec import parse_spec
 
 NAMESPACE, NAME = "serving", "llama"
 
@@ -36,10 +43,14 @@ class FakeCluster:
         self.discovery_refreshes = 0
         self.pending: tuple[int, str] | None = None
         self.gpu_node_size: int | None = None  # largest_gpu_node's answer
+        self.ready_pods: list[str] = []
         self._version = 0
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.isvc)
+
+    def inference_services(self, namespaces: list[str]) -> list[tuple[str, str]]:
+        return [(NAMESPACE, self.isvc["metadata"]["name"])] if self.isvc is not None else []
 
     def has_api(self, api_version: str, kind: str) -> bool:
         return (kind == "ServiceMonitor" and self.service_monitor) or (
@@ -70,6 +81,9 @@ class FakeCluster:
             self.objects[key] = stored
         return copy.deepcopy(stored)
 
+    def pods(self, namespace: str, name: str, selector: str | None = None) -> tuple[list[str], list[str]]:
+        return list(self.ready_pods), list(self.ready_pods)
+
     def unschedulable(self, namespace: str, name: str) -> tuple[int, str] | None:
         return self.pending
 
@@ -79,6 +93,12 @@ class FakeCluster:
     def refresh_discovery(self) -> None:
         self.discovery_refreshes += 1
 
+    def remove_env(self, namespace: str, name: str, container: str, names: list[str], env_from: bool) -> None:
+        raise AssertionError("no test adds environment variables by hand")
+
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
+        self.objects[("Deployment", name)]["spec"]["replicas"] = replicas
+
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         assert self.isvc is not None
         self.status_patches.append(status)
@@ -86,7 +106,30 @@ class FakeCluster:
 
 
 @pytest.fixture
-def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+def events() -> list[tuple[str, str, str]]:
+    """The (type, reason, message) of every Event `reconcile` returned, in order."""
+    return []
+
+
+SETTINGS = OperatorSettings()
+NOW = "2026-12-01T12:00:00Z"
+
+
+def reconcile(cluster: FakeCluster, events: list[tuple[str, str, str]]) -> Reconciled:
+    """One reconcile without kopf, its Events and status written as the handler writes them."""
+    body = cluster.get_inference_service(NAMESPACE, NAME)
+    assert body is not None
+    reconciled = reconcile_resource(parse(body, SETTINGS.server_image), cluster, SETTINGS, NOW)
+    events += [(e.type, e.reason, e.message) for e in reconciled.events]
+    assert reconciled.error is None
+    if reconciled.status is not None:
+        cluster.patch_status(NAMESPACE, NAME, reconciled.status)
+    return reconciled
+
+
+@pytest.fixture
+def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """The Events the handlers post through kopf."""
     posted: list[tuple[str, str, str]] = []
 
     def record(body: dict[str, Any], *, type: str, reason: str, message: str) -> None:
@@ -96,17 +139,13 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
     return posted
 
 
-def reconcile(cluster: FakeCluster) -> None:
-    handlers._reconcile(cluster, NAMESPACE, NAME, logging.getLogger("test"))  # type: ignore[arg-type]
-
-
 LLAMA = {"model": {"name": "llama-3-8b", "maxModelLen": 4096}, "resources": {"gpuType": "a100-80gb"}}
 TOO_BIG = {"model": {"name": "llama-3-70b", "maxModelLen": 4096}, "resources": {"gpuType": "a100-80gb"}}
 
 
 def test_first_reconcile_creates_children_and_reports(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(LLAMA, service_monitor=True)
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert sorted(kind for kind, _ in cluster.objects) == [
         "Deployment",
         "PodDisruptionBudget",
@@ -121,10 +160,10 @@ def test_first_reconcile_creates_children_and_reports(events: list[tuple[str, st
 
 def test_second_reconcile_changes_nothing(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(LLAMA)
-    reconcile(cluster)
+    reconcile(cluster, events)
     versions = {key: obj["metadata"]["resourceVersion"] for key, obj in cluster.objects.items()}
     events.clear()
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert events == []
     assert len(cluster.status_patches) == 1
     assert {key: obj["metadata"]["resourceVersion"] for key, obj in cluster.objects.items()} == versions
@@ -132,12 +171,12 @@ def test_second_reconcile_changes_nothing(events: list[tuple[str, str, str]]) ->
 
 def test_deployment_status_change_updates_only_status(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(LLAMA)
-    reconcile(cluster)
+    reconcile(cluster, events)
     deployment = cluster.objects[("Deployment", NAME)]
     deployment["metadata"]["generation"] = 1
     deployment["status"] = {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
     events.clear()
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert events == []
     ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "ReplicasReady")
@@ -147,41 +186,40 @@ def test_deployment_status_change_updates_only_status(events: list[tuple[str, st
 def test_a_refused_child_creates_nothing_and_says_why_once(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(LLAMA)
     cluster.refuse["Service"] = (422, 'Service "llama" is invalid: metadata.name: Invalid value')
-    with pytest.raises(handlers.ReconcileFailed, match="Service llama: Service"):
-        reconcile(cluster)
+    assert reconcile(cluster, events).failure == (
+        'Service llama: Service "llama" is invalid: metadata.name: Invalid value'
+    )
     assert cluster.objects == {}  # the Deployment is not created without its Service
     ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ApplyFailed")
     assert ready["message"] == 'Service llama: Service "llama" is invalid: metadata.name: Invalid value'
     assert [(t, r) for t, r, _ in events] == [("Normal", "CapacityPlanned"), ("Warning", "ApplyFailed")]
     events.clear()
-    with pytest.raises(handlers.ReconcileFailed):
-        reconcile(cluster)
+    assert reconcile(cluster, events).failure is not None
     assert events == []  # the same failure again: no new Event, no status write
     assert len(cluster.status_patches) == 1
     cluster.refuse.clear()
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert [(t, r) for t, r, _ in events] == [("Normal", "Created")] * 3
 
 
 def test_forbidden_and_missing_apis(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(LLAMA)
     cluster.refuse["PodDisruptionBudget"] = (403, "poddisruptionbudgets is forbidden")
-    with pytest.raises(handlers.ReconcileFailed):
-        reconcile(cluster)
+    assert reconcile(cluster, events).failure is not None
     ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "ApplyForbidden"
     assert cluster.discovery_refreshes == 0
     cluster.refuse = {"PodDisruptionBudget": (404, "the server could not find the requested resource")}
-    with pytest.raises(handlers.ReconcileFailed):
-        reconcile(cluster)
+    assert reconcile(cluster, events).failure is not None
     assert cluster.discovery_refreshes == 1  # a 404 re-reads discovery and renders again once
 
 
 def test_a_name_that_cannot_name_a_service_is_reported(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(LLAMA)
     assert cluster.isvc is not None
-    handlers._reconcile(cluster, NAMESPACE, "3b-model", logging.getLogger("test"))  # type: ignore[arg-type]
+    cluster.isvc["metadata"]["name"] = "3b-model"
+    reconcile(cluster, events)
     assert cluster.objects == {}
     planned = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "CapacityPlanned")
     assert planned["reason"] == "InvalidName" and "DNS-1035" in planned["message"]
@@ -189,7 +227,7 @@ def test_a_name_that_cannot_name_a_service_is_reported(events: list[tuple[str, s
 
 def test_too_big_model_creates_nothing_then_recovers(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(TOO_BIG)
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert cluster.objects == {}
     ((kind, reason, message),) = events
     assert (kind, reason) == ("Warning", "InsufficientGPUMemory")
@@ -201,13 +239,13 @@ def test_too_big_model_creates_nothing_then_recovers(events: list[tuple[str, str
         "InsufficientGPUMemory",
     )
     # The same failure again posts no second event.
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert len(events) == 1
 
     assert cluster.isvc is not None
     cluster.isvc["spec"]["resources"]["gpusPerReplica"] = 4
     cluster.isvc["metadata"]["generation"] = 2
-    reconcile(cluster)
+    reconcile(cluster, events)
     deployment = cluster.objects[("Deployment", NAME)]
     assert (
         deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
@@ -225,7 +263,7 @@ def test_a_replica_larger_than_any_node_is_refused_naming_the_node_size(
     spec["resources"]["gpusPerReplica"] = 16
     cluster = FakeCluster(spec)
     cluster.gpu_node_size = 8
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert cluster.objects == {}
     planned = cluster.status_patches[-1]["conditions"][0]
     assert (planned["type"], planned["status"], planned["reason"]) == (
@@ -241,17 +279,17 @@ def test_a_replica_larger_than_any_node_is_refused_naming_the_node_size(
     assert [(t, r) for t, r, _ in events] == [("Warning", "ReplicaExceedsNode")]
     cluster.gpu_node_size = 16
     cluster.isvc["metadata"]["generation"] = 2
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert ("Deployment", NAME) in cluster.objects
 
 
 def test_an_impossible_edit_keeps_the_running_deployment(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(LLAMA)
-    reconcile(cluster)
+    reconcile(cluster, events)
     before = copy.deepcopy(cluster.objects[("Deployment", NAME)])
     assert cluster.isvc is not None
     cluster.isvc["spec"] = copy.deepcopy(TOO_BIG)
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert cluster.objects[("Deployment", NAME)] == before
     # status.capacity still describes what runs (--max-num-seqs 112), beside CapacityPlanned=False.
     assert cluster.status_patches[-1]["capacity"]["maxNumSeqs"] == 112
@@ -261,7 +299,7 @@ def test_an_impossible_edit_keeps_the_running_deployment(events: list[tuple[str,
 
 def test_unknown_model_is_a_status_error_not_a_guess(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster({**LLAMA, "model": {"name": "my-finetune", "maxModelLen": 4096}})
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert cluster.objects == {}
     planned = cluster.status_patches[-1]["conditions"][0]
     assert planned["reason"] == "UnknownModel"
@@ -270,28 +308,45 @@ def test_unknown_model_is_a_status_error_not_a_guess(events: list[tuple[str, str
 
 def test_spec_edit_updates_the_deployment(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(LLAMA)
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert cluster.isvc is not None
     cluster.isvc["spec"]["model"]["maxModelLen"] = 8192
     events.clear()
-    reconcile(cluster)
+    reconcile(cluster, events)
     args = cluster.objects[("Deployment", NAME)]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--max-num-seqs") + 1] == "56"
     assert ("Normal", "Updated", f"updated Deployment {NAMESPACE}/{NAME}") in events
 
 
-def test_deleted_resource_is_left_to_garbage_collection(events: list[tuple[str, str, str]]) -> None:
+def test_deleted_resource_is_left_to_garbage_collection_and_its_lock_dropped(
+    posted: list[tuple[str, str, str]],
+) -> None:
     cluster = FakeCluster(LLAMA)
-    cluster.isvc = None
-    reconcile(cluster)
-    assert cluster.objects == {} and cluster.status_patches == [] and events == []
+    memo = OperatorMemo(cluster=cluster)
+    handlers.reconcile_service(memo, NAMESPACE, NAME, logging.getLogger("test"))
+    assert len(cluster.objects) == 3 and len(memo.locks) == 1
+    cluster.isvc, cluster.objects, cluster.status_patches = None, {}, []
+    posted.clear()
+    handlers.reconcile_service(memo, NAMESPACE, NAME, logging.getLogger("test"))
+    assert cluster.objects == {} and cluster.status_patches == [] and posted == []
+    handlers.on_deleted(namespace=NAMESPACE, name=NAME, memo=memo)
+    assert len(memo.locks) == 0
+
+
+@pytest.mark.parametrize("implementation", [Cluster, FakeCluster])
+def test_the_real_and_the_fake_cluster_implement_the_seam(implementation: type) -> None:
+    """Every call reconcile and the autoscaler make (ClusterAPI), with the same signature."""
+    for name, member in vars(ClusterAPI).items():
+        if callable(member) and not name.startswith("_"):
+            actual = inspect.signature(getattr(implementation, name), eval_str=True)
+            assert actual == inspect.signature(member, eval_str=True), name
 
 
 @pytest.mark.parametrize(("current", "expected"), [(None, 2), (1, 2), (3, 3), (9, 5)])
 def test_autoscaled_replicas_stay_within_bounds(current: int | None, expected: int) -> None:
-    spec = handlers.parse_spec({**LLAMA, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}})
+    spec = parse_spec({**LLAMA, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}})
     deployment = None if current is None else {"spec": {"replicas": current}}
-    assert handlers._desired_replicas(spec, deployment) == expected
+    assert desired_replicas(spec, deployment) == expected
 
 
 def test_the_operator_does_not_import_the_server_stack() -> None:
@@ -330,20 +385,20 @@ def _ready(cluster: FakeCluster, name: str) -> None:
 
 def test_router_children_come_and_go_with_router_enabled(events: list[tuple[str, str, str]]) -> None:
     cluster = FakeCluster(ROUTED, service_monitor=True, inference_pool=True)
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert set(ROUTER_OBJECTS) <= set(cluster.objects)
     _ready(cluster, NAME)
-    reconcile(cluster)
+    reconcile(cluster, events)
     ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
     assert (ready["reason"], cluster.status_patches[-1]["url"]) == ("RouterNotReady", None)
     _ready(cluster, "llama-router")
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert cluster.status_patches[-1]["url"] == f"http://llama-router.{NAMESPACE}.svc.cluster.local"
 
     assert cluster.isvc is not None
     cluster.isvc["spec"]["router"]["enabled"] = False
     events.clear()
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert not set(ROUTER_OBJECTS) & set(cluster.objects)
     assert sorted(cluster.objects) == [
         ("Deployment", NAME),
@@ -356,7 +411,7 @@ def test_router_children_come_and_go_with_router_enabled(events: list[tuple[str,
     assert deleted[-1] == f"deleted ServiceAccount {NAMESPACE}/llama-router" and len(deleted) == 7
     assert cluster.status_patches[-1]["url"] == f"http://{NAME}.{NAMESPACE}.svc.cluster.local"
     events.clear()
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert events == []
 
 
@@ -364,14 +419,13 @@ def test_a_new_role_is_stored_before_its_binding_is_checked(events: list[tuple[s
     """RBAC checks a RoleBinding against the Role it names: a dry-run Role is not there to be read."""
     cluster = FakeCluster(ROUTED)
     cluster.refuse["RoleBinding"] = (403, "user cannot bind")
-    with pytest.raises(handlers.ReconcileFailed):
-        reconcile(cluster)
+    assert reconcile(cluster, events).failure is not None
     assert list(cluster.objects) == [("Role", "llama-router")]  # grants nothing until bound
     assert ("Role", "llama-router", False) in cluster.applied
     assert ("ServiceAccount", "llama-router", True) in cluster.applied
     cluster.refuse.clear()
     cluster.applied.clear()
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert ("Role", "llama-router", True) in cluster.applied  # existing now: checked as a dry run
     assert ("Normal", "Created", f"created Role {NAMESPACE}/llama-router") in events
 
@@ -395,8 +449,7 @@ def test_a_name_another_controller_owns_is_not_taken_over(events: list[tuple[str
         },
         "spec": {"replicas": 1},
     }
-    with pytest.raises(handlers.ReconcileFailed):
-        reconcile(cluster)
+    assert reconcile(cluster, events).failure is not None
     assert set(cluster.objects) == {("Deployment", "llama-router")}
     assert cluster.objects[("Deployment", "llama-router")]["metadata"]["ownerReferences"][0]["uid"] == "uid-2"
     ready = next(c for c in cluster.status_patches[-1]["conditions"] if c["type"] == "Ready")
@@ -413,7 +466,7 @@ def test_a_tensor_parallel_size_the_server_would_refuse_is_a_condition_not_a_cra
     """Llama-3-8B has 32 attention heads: 3 GPUs at tensor parallel 3 cannot split them, and the server
     would exit at start on every pod; the operator says so instead of creating them."""
     cluster = FakeCluster({**LLAMA, "resources": {"gpuType": "a100-80gb", "gpusPerReplica": 3}})
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert cluster.objects == {}
     planned = cluster.status_patches[-1]["conditions"][0]
     assert (planned["status"], planned["reason"]) == ("False", "InvalidTensorParallelSize")
@@ -452,7 +505,7 @@ def test_specs_whose_pods_could_not_start_are_conditions(
     events: list[tuple[str, str, str]], spec: dict[str, Any], reason: str, message: str
 ) -> None:
     cluster = FakeCluster(spec)
-    reconcile(cluster)
+    reconcile(cluster, events)
     assert cluster.objects == {}
     planned = cluster.status_patches[-1]["conditions"][0]
     assert (planned["status"], planned["reason"]) == ("False", reason)
@@ -460,14 +513,14 @@ def test_specs_whose_pods_could_not_start_are_conditions(
 
 
 def test_a_permission_lost_while_running_is_a_condition_and_one_event(
-    events: list[tuple[str, str, str]], monkeypatch: pytest.MonkeyPatch
+    events: list[tuple[str, str, str]], posted: list[tuple[str, str, str]]
 ) -> None:
     """A 403 outside an apply (here reading the PodDisruptionBudget) turns Ready False with reason
     Forbidden and the API server's message, once, and kopf retries (ReconcileFailed)."""
     from kubernetes.client.exceptions import ApiException
 
     cluster = FakeCluster(LLAMA)
-    reconcile(cluster)
+    reconcile(cluster, events)
     message = (
         'poddisruptionbudgets.policy "llama" is forbidden: User "system:serviceaccount:ops:conveyor" '
         'cannot get resource "poddisruptionbudgets" in API group "policy" in the namespace "serving"'
@@ -482,12 +535,11 @@ def test_a_permission_lost_while_running_is_a_condition_and_one_event(
         return real_get(api_version, kind, namespace, name)
 
     cluster.get = get  # type: ignore[method-assign]
-    monkeypatch.setattr(handlers, "_cluster", cluster)
-    events.clear()
+    memo = OperatorMemo(cluster=cluster)
     for _ in range(2):
         with pytest.raises(handlers.ReconcileFailed, match="cannot get resource"):
-            handlers.reconcile(NAMESPACE, NAME, logging.getLogger("test"))
-    assert events == [("Warning", "Forbidden", message)]
+            handlers.reconcile_service(memo, NAMESPACE, NAME, logging.getLogger("test"))
+    assert posted == [("Warning", "Forbidden", message)]
     assert cluster.isvc is not None
     conditions = {c["type"]: c for c in cluster.isvc["status"]["conditions"]}
     assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False", "Forbidden")
@@ -495,6 +547,52 @@ def test_a_permission_lost_while_running_is_a_condition_and_one_event(
     assert conditions["CapacityPlanned"]["status"] == "True"  # the other conditions stay as they were
     # The permission back: the next reconcile writes Ready from the Deployment again.
     cluster.get = real_get  # type: ignore[method-assign]
-    handlers.reconcile(NAMESPACE, NAME, logging.getLogger("test"))
+    handlers.reconcile_service(memo, NAMESPACE, NAME, logging.getLogger("test"))
     ready = next(c for c in cluster.isvc["status"]["conditions"] if c["type"] == "Ready")
     assert ready["reason"] != "Forbidden"
+
+
+def test_the_writes_before_an_api_error_are_still_told(posted: list[tuple[str, str, str]]) -> None:
+    """A reconcile stopped part-way by an API error (here listing pods) returns the Events of the
+    children it created; the handler posts them, then lets kopf see the error."""
+    from kubernetes.client.exceptions import ApiException
+
+    cluster = FakeCluster(LLAMA)
+    cluster.pending = (1, "no nodes")
+
+    def unschedulable(namespace: str, name: str) -> tuple[int, str] | None:
+        raise ApiException(status=500, reason="Internal Server Error")
+
+    cluster.unschedulable = unschedulable  # type: ignore[method-assign]
+    with pytest.raises(ApiException):
+        handlers.reconcile_service(OperatorMemo(cluster=cluster), NAMESPACE, NAME, logging.getLogger("test"))
+    assert [r for _, r, _ in posted] == ["Created"] * 3
+    assert cluster.status_patches == []
+
+
+def test_an_autoscaling_step_without_prometheus_holds_replicas_and_says_so_once(
+    events: list[tuple[str, str, str]], posted: list[tuple[str, str, str]]
+) -> None:
+    """Without --prometheus-url the builtin autoscaler never guesses: MetricsAvailable=False, one
+    Warning, replicas held; the history stays in the resource's memo between steps."""
+    cluster = FakeCluster({**LLAMA, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}})
+    reconcile(cluster, events)
+    cluster.ready_pods = [f"{NAME}-0"]
+    memo = OperatorMemo(cluster=cluster)
+    for step in range(2):
+        handlers.autoscale(memo, NAMESPACE, NAME, logging.getLogger("test"), 1_000.0 + 15 * step)
+    assert posted == [
+        (
+            "Warning",
+            "MetricsUnavailable",
+            "holding 1 replicas: prometheus: the operator runs without --prometheus-url",
+        )
+    ]
+    assert cluster.isvc is not None
+    conditions = {c["type"]: c for c in cluster.isvc["status"]["conditions"]}
+    assert (conditions["MetricsAvailable"]["status"], conditions["MetricsAvailable"]["reason"]) == (
+        "False",
+        "MetricsUnavailable",
+    )
+    assert cluster.objects[("Deployment", NAME)]["spec"]["replicas"] == 1
+    assert memo.metrics_available is False and memo.autoscaler_history is not None
