@@ -40,6 +40,11 @@ class ModelConfig(_Config):
         None, ge=1, description="maximum prompt + output tokens per sequence; default: the model's"
     )
     seed: int = Field(0, description="seed of the sampler's global generator (requests without a seed)")
+    chat_template: str | None = Field(
+        None,
+        description="the Jinja chat template for chat completions: a file, or the template itself (for "
+        "models whose tokenizer has none, or to replace it); default: the tokenizer's",
+    )
 
 
 class CacheConfig(_Config):

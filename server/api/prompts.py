@@ -88,7 +88,14 @@ def chat_prompt_ids(
 ) -> list[int]:
     """The chat template applied to `messages` (and `tools`: through the template when it supports
     them, else the default rendering above), tokenized without adding special tokens again (the
-    template writes them). Raises PromptError when the template rejects the conversation."""
+    template writes them). Raises PromptError when the template rejects the conversation, or when the
+    model has none."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise PromptError(
+            "messages: this model has no chat template, so chat messages cannot be turned into a prompt; "
+            "use /v1/completions, or start the server with --chat-template (a file or the template itself)",
+            "messages",
+        )
     native = supports_tools(tokenizer)
     if native:
         conversation = []

@@ -77,7 +77,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     dtype, why = pick_dtype(mc.dtype, device, hf_config)
     backend, ops = select_backend(config.device.attention_backend, device.type)
     logger.info("device %s, dtype %s (%s), kernel backend %s", device, dtype, why, backend)
-    tokenizer = loader.load_tokenizer(source, mc.load_format)
+    tokenizer = loader.load_tokenizer(source, mc.load_format, mc.chat_template)
     workers = _start_workers(config, source, hf_config, dtype, backend, device)
     try:
         tp = workers.tp if workers is not None else None

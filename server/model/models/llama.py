@@ -13,19 +13,26 @@ shard and the model sums row-parallel outputs and the vocabulary-parallel embedd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels.reference import rope_cos_sin_cache
 from conveyor.server.model.parallel import Partition, TensorParallel, partition
 
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+# Activations of the gated MLP, by the config's `hidden_act` / `hidden_activation`.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
 
 @dataclass
 class ModelShape:
-    """The architecture numbers the runner and capacity math need, read from a HF config."""
+    """The architecture numbers the runner and capacity math need, and the features the decoder switches
+    on, read from a HF config (`from_hf_config`)."""
 
     vocab_size: int
     hidden_size: int
@@ -42,47 +49,64 @@ class ModelShape:
     attention_bias: bool
     # The output projection's bias (Llama and Granite put `attention_bias` on it too; Qwen2 does not).
     o_proj_bias: bool = False
-    # Per-head RMSNorm of q and k before rotary (Qwen3).
+    # Per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3).
     qk_norm: bool = False
     # Granite: embeddings x embedding_multiplier; each residual branch x residual_multiplier before it
-    # is added; attention scale attention_multiplier (None: head_dim ** -0.5); logits / logits_scaling.
+    # is added; logits / logits_scaling. Gemma: embeddings x sqrt(hidden_size), the factor rounded to the
+    # weights' dtype first (`round_embedding_multiplier`).
     embedding_multiplier: float = 1.0
+    round_embedding_multiplier: bool = False
     residual_multiplier: float = 1.0
+    # The attention scale (None: head_dim ** -0.5; Granite's attention_multiplier, Gemma's
+    # query_pre_attn_scalar ** -0.5).
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # Tokens a sliding-window layer attends to (None: every layer attends to the whole sequence).
+    # Gemma: RMSNorm scales by (1 + weight) (folded into the weights at load); the gated MLP's
+    # activation; sandwich norms (Gemma 2/3: a norm after attention and around the MLP).
+    norm_weight_offset: float = 0.0
+    activation: str = "silu"
+    sandwich_norms: bool = False
+    # Gemma 2: scores capped as cap * tanh(s / cap) (attention), logits likewise (final).
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Tokens a sliding-window layer attends to (None: every layer attends to the whole sequence), which
+    # layers slide, and their rotary base where it differs (Gemma 3's local layers).
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    local_rope_theta: float | None = None
 
     @property
     def plain_llama(self) -> bool:
-        """True when the decoder is Llama's own (no qk-norm, no multipliers): what the C++ layer loop
-        (`kernels/csrc/decoder.cpp`) computes."""
-        return (
-            not self.qk_norm
-            and not self.o_proj_bias
-            and self.embedding_multiplier == 1.0
-            and self.residual_multiplier == 1.0
-            and self.attention_multiplier is None
-            and self.logits_scaling == 1.0
-        )
+        """True when the decoder is Llama's own (no qk-norm, no multipliers, no window, SiLU, plain
+        norms): what the C++ layer loop (`kernels/csrc/decoder.cpp`) computes."""
+        return self == _without_features(self)
 
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
-        """Accepts a transformers `PretrainedConfig` of a Llama-like model (v4 or v5 rope fields).
-        Raises ValueError for a feature this decoder does not implement (naming the config field)."""
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
+        """Accepts a transformers `PretrainedConfig` of a Llama-like or Gemma model (v4 or v5 rope
+        fields). Raises ValueError for a feature this decoder does not implement (naming the field)."""
+        kind = config.model_type
+        gemma = kind in GEMMA_TYPES
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
             raise ValueError(
-                f"hidden_act {act!r} is not supported for model type {config.model_type!r}; expected 'silu'"
+                f"hidden_act {act!r} is not supported (model type {kind!r}); expected one of {sorted(ACTIVATIONS)}"
             )
         if getattr(config, "mlp_bias", False):
-            raise ValueError(f"mlp_bias is not supported (model type {config.model_type!r})")
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        scaling = (
-            rope if rope.get("rope_type", "default") != "default" else getattr(config, "rope_scaling", None)
-        )
+            raise ValueError(f"mlp_bias is not supported (model type {kind!r})")
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError(
+                f"attn_logit_softcapping (attention soft-capping, model type {kind!r}) is not implemented yet"
+            )
+        theta, scaling, local_theta = _rope(config)
         heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        attention_multiplier = None
+        if kind == "granite":
+            attention_multiplier = float(config.attention_multiplier)
+        elif gemma:
+            attention_multiplier = float(getattr(config, "query_pre_attn_scalar", head_dim)) ** -0.5
+        window, sliding = _sliding_layers(config)
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -90,39 +114,90 @@ class ModelShape:
             num_layers=config.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", gemma)),
             # Qwen2 has q/k/v biases; Llama exposes `attention_bias` (q/k/v and o).
-            attention_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+            attention_bias=bool(getattr(config, "attention_bias", False)) or kind == "qwen2",
             o_proj_bias=bool(getattr(config, "attention_bias", False))
-            and config.model_type in ("llama", "granite"),
-            qk_norm=config.model_type == "qwen3",
-            embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0)),
+            and kind in ("llama", "granite", *GEMMA_TYPES),
+            qk_norm=kind in ("qwen3", "gemma3_text"),
+            embedding_multiplier=config.hidden_size**0.5
+            if gemma
+            else float(getattr(config, "embedding_multiplier", 1.0)),
+            round_embedding_multiplier=gemma,
             residual_multiplier=float(getattr(config, "residual_multiplier", 1.0)),
-            attention_multiplier=(
-                float(config.attention_multiplier) if config.model_type == "granite" else None
-            ),
+            attention_multiplier=attention_multiplier,
             logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
-            sliding_window=_sliding_window(config),
+            norm_weight_offset=1.0 if gemma else 0.0,
+            activation=ACTIVATIONS[act],
+            sandwich_norms=kind in ("gemma2", "gemma3_text"),
+            attn_logit_softcap=getattr(config, "attn_logit_softcapping", None),
+            final_logit_softcap=getattr(config, "final_logit_softcapping", None),
+            sliding_window=window,
+            sliding_layers=sliding,
+            local_rope_theta=local_theta,
         )
 
 
-def _sliding_window(config) -> int | None:
-    """The window of the config's sliding-attention layers, None when no layer slides (Mistral's
-    `sliding_window`; Qwen2/3's only under `use_sliding_window`; `layer_types` where the config has it)."""
+def _without_features(shape: ModelShape) -> ModelShape:
+    """`shape` with every feature switched off (Llama's own decoder)."""
+    return replace(
+        shape,
+        o_proj_bias=False,
+        qk_norm=False,
+        embedding_multiplier=1.0,
+        round_embedding_multiplier=False,
+        residual_multiplier=1.0,
+        attention_multiplier=None,
+        logits_scaling=1.0,
+        norm_weight_offset=0.0,
+        activation="silu",
+        sandwich_norms=False,
+        attn_logit_softcap=None,
+        final_logit_softcap=None,
+        sliding_window=None,
+        sliding_layers=(),
+        local_rope_theta=None,
+    )
+
+
+def _rope(config) -> tuple[float, dict | None, float | None]:
+    """(rotary base, scaling dict or None, the sliding layers' own base or None) from a config's v4
+    fields (`rope_theta`, `rope_scaling`, Gemma 3's `rope_local_base_freq`) or v5 `rope_parameters`,
+    which Gemma 3 keys by layer type (`full_attention`, `sliding_attention`)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    local = None
+    if "full_attention" in rope:
+        local_params = rope.get("sliding_attention") or {}
+        local = local_params.get("rope_theta")
+        rope = dict(rope["full_attention"])
+    elif getattr(config, "rope_local_base_freq", None) is not None:
+        local = config.rope_local_base_freq
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type", "default") != "default" else getattr(config, "rope_scaling", None)
+    local = float(local) if local is not None and float(local) != float(theta) else None
+    return float(theta), scaling, local
+
+
+def _sliding_layers(config) -> tuple[int | None, tuple[bool, ...]]:
+    """(window, which layers slide): Mistral's `sliding_window` on every layer; Qwen2/3's only under
+    `use_sliding_window`; `layer_types` where the config has it (Gemma 2/3, Qwen). (None, ()) when no
+    layer slides."""
     window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None, ()
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    if layer_types is None:
+        sliding = (True,) * config.num_hidden_layers
+    else:
+        sliding = tuple(t == "sliding_attention" for t in layer_types)
+    if not any(sliding):
+        return None, ()
+    return int(window), sliding
 
 
 class RMSNorm(nn.Module):
@@ -142,10 +217,21 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Column-parallel q/k/v (this rank's heads), paged attention, row-parallel output projection."""
+    """Column-parallel q/k/v (this rank's heads), paged attention, row-parallel output projection.
 
-    def __init__(self, shape: ModelShape, ops: KernelBackend, part: Partition, tp: TensorParallel) -> None:
+    sliding: this layer attends within `shape.sliding_window` tokens (and, where the model has a local
+    rotary base, rotates with the model's local table)."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        ops: KernelBackend,
+        part: Partition,
+        tp: TensorParallel,
+        sliding: bool = False,
+    ) -> None:
         super().__init__()
+        self.sliding = sliding
         self.num_heads = part.num_heads
         self.num_kv_heads = part.num_kv_heads
         self.head_dim = shape.head_dim
@@ -158,6 +244,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
         self.scale = shape.attention_multiplier or shape.head_dim**-0.5
+        self.local_rope = shape.local_rope_theta is not None
         self.ops = ops
         self.tp = tp
 
@@ -174,12 +261,14 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per head, over head_dim (Qwen3)
+        if self.q_norm is not None:  # per head, over head_dim (Qwen3, Gemma 3)
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
                 num_tokens, self.num_kv_heads, self.head_dim
             )
-        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache, meta.prepared)
+        # The step's prepared rotary rows are the model's main table's; a local table is looked up here.
+        own_table = self.sliding and self.local_rope
+        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache, None if own_table else meta.prepared)
         key_cache, value_cache = kv_cache
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
@@ -204,25 +293,52 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * part.intermediate_size, bias=False)
         self.down_proj = nn.Linear(part.intermediate_size, shape.hidden_size, bias=False)
+        self.activation = shape.activation
         self.ops = ops
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        if self.activation == "silu":
+            hidden = self.ops.silu_and_mul(gate_up)
+        else:  # GeGLU with tanh GELU (Gemma): a torch op in every backend
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.gelu(gate, approximate="tanh") * up
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, ops: KernelBackend, part: Partition, tp: TensorParallel) -> None:
+    """Pre-norm attention and MLP blocks on a residual stream carried beside the hidden states (each
+    norm adds the residual first, fused). With `sandwich_norms` (Gemma 2/3) the attention output and the
+    MLP output are normed too before they join the stream: `post_attention_layernorm` then
+    `pre_feedforward_layernorm` (which adds the residual), and `post_feedforward_layernorm`."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        ops: KernelBackend,
+        part: Partition,
+        tp: TensorParallel,
+        sliding: bool = False,
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.self_attn = LlamaAttention(shape, ops, part, tp)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
+        norm = partial(RMSNorm, shape.hidden_size, shape.rms_norm_eps, ops)
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(shape, ops, part, tp, sliding)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if shape.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if shape.sandwich_norms else None
         self.mlp = LlamaMLP(shape, ops, part, tp)
         self.residual_multiplier = shape.residual_multiplier
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
+        if self.pre_feedforward_layernorm is not None:
+            hidden, _ = self.post_attention_layernorm(hidden)
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+            hidden, _ = self.post_feedforward_layernorm(self.mlp(hidden))
+            return hidden, residual
         if self.residual_multiplier != 1.0:  # Granite scales each branch before the residual add
             hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -249,7 +365,10 @@ class LlamaForCausalLM(nn.Module):
         )
         vocab_rows = part.vocab_per_rank if tp.size > 1 else shape.vocab_size
         self.embed_tokens = nn.Embedding(vocab_rows, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, ops, part, tp) for _ in range(shape.num_layers))
+        sliding = shape.sliding_layers or (False,) * shape.num_layers
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(shape, ops, part, tp, sliding[i]) for i in range(shape.num_layers)
+        )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
@@ -259,6 +378,14 @@ class LlamaForCausalLM(nn.Module):
             rope_cos_sin_cache(
                 shape.head_dim, shape.max_position_embeddings, shape.rope_theta, shape.rope_scaling
             ),
+            persistent=False,
+        )
+        # The local layers' rotary table where their base differs (Gemma 3), else None.
+        self.register_buffer(
+            "local_cos_sin_cache",
+            None
+            if shape.local_rope_theta is None
+            else rope_cos_sin_cache(shape.head_dim, shape.max_position_embeddings, shape.local_rope_theta),
             persistent=False,
         )
 
@@ -271,9 +398,10 @@ class LlamaForCausalLM(nn.Module):
             outside = (local < 0) | (local >= self.partition.vocab_per_rank)
             hidden = self.embed_tokens(local.masked_fill(outside, 0))
             hidden = self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
-        if self.shape.embedding_multiplier != 1.0:
-            hidden = hidden * self.shape.embedding_multiplier
-        return hidden
+        multiplier = self.shape.embedding_multiplier
+        if self.shape.round_embedding_multiplier:  # as Gemma computes it: the factor in the weights' dtype
+            return hidden * torch.tensor(multiplier, dtype=hidden.dtype)
+        return hidden * multiplier if multiplier != 1.0 else hidden
 
     def forward(
         self,
@@ -285,8 +413,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: `[num_tokens]` int64. Returns hidden states `[num_tokens, hidden_size]`."""
         hidden = self.embed(input_ids)
         residual = None
+        local = self.local_cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
+            table = local if local is not None and layer.self_attn.sliding else self.cos_sin_cache
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, table)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -305,8 +435,13 @@ class LlamaForCausalLM(nn.Module):
         """hidden: `[num_rows, hidden_size]` -> logits `[num_rows, vocab_size]` (on rank 0; None on the
         other ranks of a tensor-parallel group)."""
         logits = self.tp.gather_logits(self.lm_head(hidden), self.shape.vocab_size)
-        if logits is not None and self.shape.logits_scaling != 1.0:
+        if logits is None:
+            return None
+        if self.shape.logits_scaling != 1.0:
             logits = logits / self.shape.logits_scaling
+        cap = self.shape.final_logit_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     @torch.no_grad()
@@ -320,10 +455,17 @@ class LlamaForCausalLM(nn.Module):
         tp = self.tp.size > 1
 
         def get(name: str) -> torch.Tensor:
-            for key in (name, "model." + name):
-                if key in state_dict:
-                    return state_dict[key]
+            # A multimodal checkpoint's language model (Gemma 3) nests the decoder's names.
+            for prefix in ("", "model.", "model.language_model.", "language_model.model.", "language_model."):
+                if prefix + name in state_dict:
+                    return state_dict[prefix + name]
             raise KeyError(name)
+
+        offset = self.shape.norm_weight_offset
+
+        def norm(module: RMSNorm, name: str) -> None:
+            """A norm's weight; Gemma's (1 + w) folded in (exact in float32, as Gemma computes it)."""
+            module.weight.copy_(get(name).float() + offset if offset else get(name))
 
         def rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
             return t[start : start + count] if tp else t
@@ -346,7 +488,7 @@ class LlamaForCausalLM(nn.Module):
                 raise
             embed = get("lm_head.weight")  # a tied table saved once, under the head's name
         self.embed_tokens.weight.copy_(vocab(embed))
-        self.norm.weight.copy_(get("norm.weight"))
+        norm(self.norm, "norm.weight")
         if not self.shape.tie_word_embeddings:
             self.lm_head.weight.copy_(vocab(get("lm_head.weight")))
         q_rows = (part.head_start * hd, part.num_heads * hd)
@@ -368,10 +510,13 @@ class LlamaForCausalLM(nn.Module):
                 bias = get(p + "self_attn.o_proj.bias")
                 attn.o_proj.bias.copy_(bias if self.tp.rank == 0 else torch.zeros_like(bias))
             if attn.q_norm is not None:
-                attn.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
-                attn.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))
+                norm(attn.q_norm, p + "self_attn.q_norm.weight")
+                norm(attn.k_norm, p + "self_attn.k_norm.weight")
             gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
             layer.mlp.gate_up_proj.weight.copy_(torch.cat([rows(gate, *mlp_rows), rows(up, *mlp_rows)]))
             layer.mlp.down_proj.weight.copy_(cols(get(p + "mlp.down_proj.weight"), *mlp_rows))
-            layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+            norm(layer.input_layernorm, p + "input_layernorm.weight")
+            norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
+            if layer.pre_feedforward_layernorm is not None:
+                norm(layer.pre_feedforward_layernorm, p + "pre_feedforward_layernorm.weight")
+                norm(layer.post_feedforward_layernorm, p + "post_feedforward_layernorm.weight")

