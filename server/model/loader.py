@@ -51,6 +51,7 @@ SUPPORTED_MODEL_TYPES = {
     "granite",
     "llama",
     "mistral",
+    "phi3",
     "qwen2",
     "qwen3",
 }

@@ -54,6 +54,8 @@ def _config(kind: str):
             logits_scaling=4.0,
             attention_bias=True,
         )
+    if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
+        return transformers.Phi3Config(**SHAPE, pad_token_id=0)
     if kind == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings, head_dim 48
         return transformers.GemmaConfig(**SHAPE, head_dim=48)
     if kind == "gemma3":  # sandwich norms, qk-norm, query_pre_attn_scalar, a local rotary base per layer type
@@ -88,6 +90,7 @@ def tokenizer():
         "qwen2",
         "qwen3",
         "granite",
+        "phi3",
         "gemma",
         "gemma3",
     ],
@@ -102,8 +105,9 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     for layer in hf.model.layers:  # random biases and norm weights, so the test notices a dropped one
         attn = layer.self_attn
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-            if proj.bias is not None:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            proj = getattr(attn, name, None)
+            if proj is not None and proj.bias is not None:
                 torch.nn.init.normal_(proj.bias, std=0.5)
         norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
         norms += [

@@ -94,6 +94,10 @@ class ModelShape:
             )
         if getattr(config, "mlp_bias", False):
             raise ValueError(f"mlp_bias is not supported (model type {kind!r})")
+        rope_parameters = getattr(config, "rope_parameters", None) or {}
+        partial = rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (model type {kind!r})")
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise ValueError(
                 f"attn_logit_softcapping (attention soft-capping, model type {kind!r}) is not implemented yet"
@@ -499,8 +503,20 @@ class LlamaForCausalLM(nn.Module):
             attn = layer.self_attn
 
             def qkv(kind: str, p: str = p) -> torch.Tensor:
-                q, k, v = (get(p + f"self_attn.{n}_proj.{kind}") for n in "qkv")
+                try:
+                    q, k, v = (get(p + f"self_attn.{n}_proj.{kind}") for n in "qkv")
+                except KeyError:  # one fused q/k/v projection (Phi-3)
+                    fused = get(p + f"self_attn.qkv_proj.{kind}")
+                    kv = self.shape.num_kv_heads * hd
+                    q, k, v = fused.split([self.shape.num_heads * hd, kv, kv])
                 return torch.cat([rows(q, *q_rows), rows(k, *kv_rows), rows(v, *kv_rows)])
+
+            def gate_up(p: str = p) -> tuple[torch.Tensor, torch.Tensor]:
+                try:
+                    return get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
+                except KeyError:  # one fused gate/up projection (Phi-3)
+                    gate, up = get(p + "mlp.gate_up_proj.weight").chunk(2)
+                    return gate, up
 
             attn.qkv_proj.weight.copy_(qkv("weight"))
             if attn.qkv_proj.bias is not None:
@@ -512,7 +528,7 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None:
                 norm(attn.q_norm, p + "self_attn.q_norm.weight")
                 norm(attn.k_norm, p + "self_attn.k_norm.weight")
-            gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
+            gate, up = gate_up()
             layer.mlp.gate_up_proj.weight.copy_(torch.cat([rows(gate, *mlp_rows), rows(up, *mlp_rows)]))
             layer.mlp.down_proj.weight.copy_(cols(get(p + "mlp.down_proj.weight"), *mlp_rows))
             norm(layer.input_layernorm, p + "input_layernorm.weight")
