@@ -58,7 +58,7 @@ def _config(kind: str):
         return transformers.Phi3Config(**SHAPE, pad_token_id=0)
     if kind == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings, head_dim 48
         return transformers.GemmaConfig(**SHAPE, head_dim=48)
-    if kind == "gemma3":  # sandwich norms, qk-norm, query_pre_attn_scalar, a local rotary base per layer type
+    if kind == "gemma3":  # sandwich norms, qk-norm, query_pre_attn_scalar, rotary per layer type (linear global)
         return transformers.Gemma3TextConfig(
             **SHAPE,
             head_dim=48,
@@ -66,7 +66,7 @@ def _config(kind: str):
             sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"],
             rope_parameters={
-                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         )
