@@ -74,19 +74,20 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     device = pick_device(config.device.device)
     source = loader.converted(loader.resolve_model(mc.model))
     hf_config = loader.load_config(source)
+    shape = ModelShape.from_hf_config(hf_config)
+    # What the config and flags decide is checked before anything heavy loads.
+    max_model_len = _max_model_len(mc.max_model_len, shape)
+    check_prompt_fits_step(sc, max_model_len)  # max_model_len may be the model's own here
     dtype, why = pick_dtype(mc.dtype, device, hf_config)
     backend, ops = select_backend(config.device.attention_backend, device.type)
     logger.info("device %s, dtype %s (%s), kernel backend %s", device, dtype, why, backend)
     tokenizer = loader.load_tokenizer(source, mc.load_format, mc.chat_template)
-    workers = _start_workers(config, source, hf_config, dtype, backend, device)
+    workers = _start_workers(config, source, shape, dtype, backend, device)
     try:
         tp = workers.tp if workers is not None else None
         model = loader.load_model(source, hf_config, dtype, device, ops, mc.load_format, tp)
         logger.info("%s", pack_weights(model, ops, dtype, device))
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
-        max_model_len = _max_model_len(mc.max_model_len, model.shape)
-        shape = model.shape
-        check_prompt_fits_step(sc, max_model_len)  # max_model_len may be the model's own here
         kv_bytes_per_token = capacity.kv_bytes_per_token(
             shape.num_layers,
             shape.num_kv_heads,
@@ -170,14 +171,13 @@ def _max_model_len(flag: int | None, shape: ModelShape) -> int:
 
 
 def _start_workers(
-    config: EngineConfig, source, hf_config, dtype: torch.dtype, backend: str, device: torch.device
+    config: EngineConfig, source, shape: ModelShape, dtype: torch.dtype, backend: str, device: torch.device
 ) -> Workers | None:
     """The other ranks of a tensor-parallel replica (None at --tensor-parallel-size 1), started after
     checking that the size splits the model. Raises ValueError naming both numbers."""
     size = config.parallel.tensor_parallel_size
     if size == 1:
         return None
-    shape = ModelShape.from_hf_config(hf_config)
     partition(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, 0, size)
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(

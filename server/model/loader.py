@@ -19,6 +19,7 @@ then gets the embedded model's tokenizer (logged).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -113,8 +114,13 @@ def resolve_model(model: str | None) -> ModelSource:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{model} is a directory without config.json")
         return ModelSource(str(path), None, path.name)
+    if path.exists():
+        raise ModelNotFoundError(f"{model} is not a model directory (with config.json) or a .gguf file")
     if model.startswith((".", "/")) or model.count("/") > 1:
         raise ModelNotFoundError(f"model path {model} does not exist")
+    near = difflib.get_close_matches(model, PACKAGED_MODELS, n=1)
+    if "/" not in model and near:
+        raise ModelNotFoundError(f"unknown model {model!r}; did you mean {near[0]!r}?")
     return ModelSource(model, None, model)  # a hub id
 
 
