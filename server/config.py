@@ -40,6 +40,11 @@ class ModelConfig(_Config):
         None, ge=1, description="maximum prompt + output tokens per sequence; default: the model's"
     )
     seed: int = Field(0, description="seed of the sampler's global generator (requests without a seed)")
+    model_impl: Literal["auto", "native", "transformers"] = Field(
+        "auto",
+        description="native = conveyor's own decoder; transformers = transformers' model of any decoder-only "
+        "architecture, run on conveyor's paged KV cache and scheduler; auto = native where conveyor has it",
+    )
     chat_template: str | None = Field(
         None,
         description="the Jinja chat template for chat completions: a file, or the template itself (for "

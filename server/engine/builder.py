@@ -20,6 +20,7 @@ from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.messages import EngineLimits
 from conveyor.server.model import loader
 from conveyor.server.model.models.llama import ModelShape
+from conveyor.server.model.models.transformers_impl import GenericShape, TransformersForCausalLM
 from conveyor.server.model.parallel import partition
 from conveyor.server.model.runner import ModelRunner
 from conveyor.server.model.worker import Workers
@@ -74,19 +75,36 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     device = pick_device(config.device.device)
     source = loader.converted(loader.resolve_model(mc.model))
     hf_config = loader.load_config(source)
-    shape = ModelShape.from_hf_config(hf_config)
+    impl = loader.choose_impl(mc.model_impl, hf_config)
+    shape = (
+        ModelShape.from_hf_config(hf_config) if impl == "native" else GenericShape.from_hf_config(hf_config)
+    )
     # What the config and flags decide is checked before anything heavy loads.
     max_model_len = _max_model_len(mc.max_model_len, shape)
     check_prompt_fits_step(sc, max_model_len)  # max_model_len may be the model's own here
     dtype, why = pick_dtype(mc.dtype, device, hf_config)
     backend, ops = select_backend(config.device.attention_backend, device.type)
-    logger.info("device %s, dtype %s (%s), kernel backend %s", device, dtype, why, backend)
+    logger.info(
+        "device %s, dtype %s (%s), kernel backend %s, model implementation %s (--model-impl %s)",
+        device,
+        dtype,
+        why,
+        backend,
+        impl,
+        mc.model_impl,
+    )
+    if impl == "transformers" and config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--model-impl transformers runs on one rank: use --tensor-parallel-size 1")
     tokenizer = loader.load_tokenizer(source, mc.load_format, mc.chat_template)
     workers = _start_workers(config, source, shape, dtype, backend, device)
     try:
         tp = workers.tp if workers is not None else None
-        model = loader.load_model(source, hf_config, dtype, device, ops, mc.load_format, tp)
-        logger.info("%s", pack_weights(model, ops, dtype, device))
+        if impl == "native":
+            model = loader.load_model(source, hf_config, dtype, device, ops, mc.load_format, tp)
+            logger.info("%s", pack_weights(model, ops, dtype, device))
+        else:  # transformers' linear layers stay as they are (they take batched 3-D inputs)
+            dummy = mc.load_format == "dummy"
+            model = TransformersForCausalLM.load(source.path, hf_config, dtype, device, ops, dummy)
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
         kv_bytes_per_token = capacity.kv_bytes_per_token(
             shape.num_layers,

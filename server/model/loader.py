@@ -182,18 +182,42 @@ def converted(source: ModelSource) -> ModelSource:
 
 
 def load_config(source: ModelSource):
-    """The transformers config. Raises ValueError for architectures this engine does not implement."""
+    """The transformers config (a multimodal Gemma 3's language model's)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
     if config.model_type == "gemma3":  # the multimodal checkpoint: its language model only
         logger.info("gemma3: serving the language model (text only); the vision tower is not loaded")
         config = config.text_config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
     return config
+
+
+def choose_impl(model_impl: str, config) -> str:
+    """`native` or `transformers` for `--model-impl model_impl` (`auto`: native where conveyor has the
+    architecture, else transformers'). Raises ValueError naming the model type and what is missing."""
+    kind = config.model_type
+    native = kind in SUPPORTED_MODEL_TYPES
+    if model_impl == "native" or (model_impl == "auto" and native):
+        if not native:
+            raise ValueError(
+                f"model type {kind!r} is not supported natively (supported: {sorted(SUPPORTED_MODEL_TYPES)}); "
+                "--model-impl transformers runs transformers' implementation"
+            )
+        return "native"
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is None:
+        raise ValueError(
+            f"model type {kind!r} is not supported: conveyor has no implementation of it (supported: "
+            f"{sorted(SUPPORTED_MODEL_TYPES)}) and transformers has no causal language model for it"
+        )
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise ValueError(
+            f"model type {kind!r} is not supported: conveyor has no implementation of it and transformers' "
+            f"{model_class.__name__} does not take a custom attention implementation"
+        )
+    return "transformers"
 
 
 def load_tokenizer(source: ModelSource, load_format: str = "auto", chat_template: str | None = None):

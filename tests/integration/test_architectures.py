@@ -58,7 +58,9 @@ def _config(kind: str):
         return transformers.Phi3Config(**SHAPE, pad_token_id=0)
     if kind == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings, head_dim 48
         return transformers.GemmaConfig(**SHAPE, head_dim=48)
-    if kind == "gemma3":  # sandwich norms, qk-norm, query_pre_attn_scalar, rotary per layer type (linear global)
+    if (
+        kind == "gemma3"
+    ):  # sandwich norms, qk-norm, query_pre_attn_scalar, rotary per layer type (linear global)
         return transformers.Gemma3TextConfig(
             **SHAPE,
             head_dim=48,
@@ -166,9 +168,12 @@ def test_a_sliding_window_model_serves_up_to_its_window(tokenizer, tmp_path):
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     import transformers
 
-    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
-        build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path))))
+    transformers.T5Config(num_layers=1, d_model=32, num_heads=2).save_pretrained(tmp_path / "t5")
+    with pytest.raises(ValueError, match="model type 't5' is not supported: .* no causal language model"):
+        build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path / "t5"))))
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported natively"):
+        build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path / "gpt2"), model_impl="native")))
 
 
 def test_missing_model_path_is_a_clear_error():
@@ -185,3 +190,49 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(monkeypa
     config = EngineConfig(device=DeviceConfig(device="cpu", attention_backend="triton"))
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         build_engine(config)
+
+
+@pytest.mark.parametrize("kind", ["olmo2", "gpt2", "llama"])
+def test_transformers_implementation_matches_transformers(kind, tokenizer, tmp_path, caplog):
+    """`--model-impl transformers`: transformers' own model on conveyor's paged KV cache, scheduler and
+    sampler. OLMo 2 (q/k norms over all heads, norms after each block) and GPT-2 (learned absolute
+    positions) have no native code, so `auto` picks transformers for them; Llama is forced."""
+    import transformers
+
+    configs = {
+        "olmo2": lambda: transformers.Olmo2Config(**SHAPE),
+        "gpt2": lambda: transformers.GPT2Config(
+            n_embd=128, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2
+        ),
+        "llama": lambda: transformers.LlamaConfig(**SHAPE),
+    }
+    config = configs[kind]()
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    impl = "transformers" if kind == "llama" else "auto"
+    with caplog.at_level("INFO", logger="conveyor.server.engine.builder"):
+        engine = build_engine(
+            EngineConfig(
+                model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512, model_impl=impl),
+                cache=CacheConfig(kv_cache_memory=1 << 24),
+                scheduler=SchedulerConfig(max_num_batched_tokens=32),
+            )
+        )
+    assert "model implementation transformers" in caplog.text
+    prompts = ["Hello there", "The capital of France is", "A long prompt " * 12]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    for i, p in enumerate(ids):
+        engine.add_request(engine.make_request(str(i), p, params))
+    ours: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ours[out.request_id] += out.new_token_ids
+    for i, p in enumerate(ids):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        assert ours[str(i)] == ref[0, len(p) :].tolist(), f"{kind}: prompt {i}"

@@ -110,7 +110,7 @@ class ModelShape:
             attention_multiplier = float(config.attention_multiplier)
         elif gemma:
             attention_multiplier = float(getattr(config, "query_pre_attn_scalar", head_dim)) ** -0.5
-        window, sliding = _sliding_layers(config)
+        window, sliding = sliding_layers(config)
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -187,7 +187,7 @@ def _rope(config) -> tuple[float, dict | None, float | None]:
     return float(theta), scaling, local
 
 
-def _sliding_layers(config) -> tuple[int | None, tuple[bool, ...]]:
+def sliding_layers(config) -> tuple[int | None, tuple[bool, ...]]:
     """(window, which layers slide): Mistral's `sliding_window` on every layer; Qwen2/3's only under
     `use_sliding_window`; `layer_types` where the config has it (Gemma 2/3, Qwen). (None, ()) when no
     layer slides."""
