@@ -227,3 +227,25 @@ def test_a_sequence_holds_whole_blocks() -> None:
     assert capacity.max_num_seqs_for_blocks(10, 16, 17) == 5
     assert capacity.max_num_seqs_for_blocks(10, 16, 16) == 10
     assert capacity.max_num_seqs_for_blocks(28_693, 16, 4096) == 112
+
+
+def test_operator_plans_qwen3_and_gemma3_specs() -> None:
+    """Qwen3-8B on an H100 at 8K: 2 x 36 layers x 8 KV heads x 128 x 2 bytes = 147,456 bytes per token;
+    (71.68 GiB usable - 15.26 GiB of weights - 1 GiB) // (147,456 x 16) = 25,225 blocks, 49 sequences of
+    512 blocks. Gemma 3 270M (one KV head of 256, 18 layers) on an L4 at its 32K positions: 18,432 bytes
+    per token, 33 sequences (every layer counted for every token: the KV cache gives sliding layers the
+    whole sequence)."""
+    qwen = plan_for_spec(
+        parse_spec(
+            _spec(model__name="Qwen/Qwen3-8B", model__maxModelLen=8192, resources__gpuType="h100-80gb")
+        )
+    )
+    assert (qwen.capacity.kv_bytes_per_token, qwen.capacity.num_kv_blocks, qwen.max_num_seqs) == (
+        147_456,
+        25_225,
+        49,
+    )
+    gemma = plan_for_spec(
+        parse_spec(_spec(model__name="gemma-3-270m", model__maxModelLen=32768, resources__gpuType="l4"))
+    )
+    assert (gemma.capacity.kv_bytes_per_token, gemma.max_num_seqs) == (18_432, 33)
