@@ -58,7 +58,12 @@ class AttentionMetadata:
 
 
 class KernelBackend(Protocol):
-    """What every backend module provides; `conveyor.kernels.reference` documents shapes and dtypes."""
+    """What every backend module provides; `conveyor.kernels.reference` documents shapes and dtypes.
+
+    `paged_attention`'s `sliding_window` (attend to the last W positions only) and `logits_soft_cap`
+    (scores become `cap * tanh(score / cap)`) are per layer, so they are arguments of the call, not of
+    `prepare_metadata`, whose result every layer of a step shares.
+    """
 
     def prepare_metadata(
         self,
@@ -90,6 +95,8 @@ class KernelBackend(Protocol):
         max_query_len: int,
         max_seq_len: int,
         prepared: Any = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...

@@ -8,7 +8,7 @@ K/V straight from the blocks with float32 scores and softmax (as vLLM's CPU and 
 kernels). Rows of prefill and chunked-prefill sequences go through the reference's
 `prefill_attention` (torch's flash-attention kernel for CPU).
 
-The library is compiled with the machine's C++ compiler the first time it is needed (about 20 s on
+The library is compiled with the machine's C++ compiler the first time it is needed (20-70 s on
 2 cores; `torch.utils.cpp_extension`, `-O3 -march=native`) and cached under `TORCH_EXTENSIONS_DIR`
 (default `~/.cache/torch_extensions`); later starts load the cached build in well under a second.
 Results match the reference to the dtype's rounding: intermediates are rounded to the tensor dtype
@@ -34,7 +34,7 @@ from torch import nn
 
 from conveyor.kernels import AttentionMetadata
 from conveyor.kernels.onednn import replace_linear_layers
-from conveyor.kernels.reference import prefill_attention
+from conveyor.kernels.reference import check_window_and_soft_cap, prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,9 @@ def load_library() -> None:
         scripts = sysconfig.get_path("scripts")
         if shutil.which("ninja") is None and os.path.exists(os.path.join(scripts, "ninja")):
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-        logger.info("loading the C++ CPU kernels (the first start on a machine compiles them, about 20 s)")
+        logger.info(
+            "loading the C++ CPU kernels (the first start on a machine compiles them, 20-70 s on 2 cores)"
+        )
         start = time.perf_counter()
         try:
             cpp_extension.load(
@@ -207,24 +209,31 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     prepared: MixedStep | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """See `conveyor.kernels.reference.paged_attention`: same arguments, layouts and result.
 
-    Decode rows (one query token) use the C++ kernel; a step of decodes only needs no host sync.
+    Decode rows (one query token) use the C++ kernel, which with a sliding window starts its walk at
+    the window's first key; a step of decodes only needs no host sync. Prefill rows use the reference's
+    `prefill_attention`, which gathers no block before the chunk's first window.
     """
+    check_window_and_soft_cap(sliding_window, logits_soft_cap)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    options = (scale, sliding_window, logits_soft_cap)
     if max_query_len == 1:
         torch.ops.conveyor_cpu.paged_decode_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens, None, None, scale
+            out, query, key_cache, value_cache, block_tables, seq_lens, None, None, *options
         )
         return out
     step = prepared if prepared is not None else _mixed_step(query_start_loc, seq_lens)
     if step.decode.numel():
+        decode = (step.decode, step.decode_starts)
         torch.ops.conveyor_cpu.paged_decode_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens, step.decode, step.decode_starts, scale
+            out, query, key_cache, value_cache, block_tables, seq_lens, *decode, *options
         )
     prefill_attention(
-        out, query, key_cache, value_cache, block_tables, step.q_lens, step.starts, step.seq_lens, scale
+        out, query, key_cache, value_cache, block_tables, step.q_lens, step.starts, step.seq_lens, *options
     )
     return out
 

@@ -139,8 +139,47 @@ def prepare_metadata(
     return PreparedStep(layout, *_rope_tables(positions, cos_sin_cache))
 
 
+def check_window_and_soft_cap(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Raise ValueError unless `sliding_window` is None or at least 1 and `logits_soft_cap` None or > 0."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(
+            f"sliding_window must be at least 1 (the query's own position); got {sliding_window}"
+        )
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive; got {logits_soft_cap}")
+
+
+def soft_cap(scores: torch.Tensor, logits_soft_cap: float | None) -> torch.Tensor:
+    """Gemma 2's attention soft-capping: `cap * tanh(scores / cap)` (scores already scaled), or the
+    scores unchanged when `logits_soft_cap` is None."""
+    if logits_soft_cap is None:
+        return scores
+    return torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+
+
+def _windowed_decode_rows(
+    layout: AttentionLayout, num_kv_heads: int, sliding_window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode gather rows and bias of `layout` cut to the last `sliding_window` positions of each
+    sequence (a window shorter than `layout.ctx`): `[D * kvh * sliding_window]` rows and
+    `[D, 1, 1, sliding_window]` bias. Sequence `b` keeps positions `max(0, len_b - W) ..`, whose last
+    index is below `ctx`; positions at or past `len_b` keep their padding rows and `-inf` bias."""
+    num_decode, device = len(layout.decode), layout.decode_rows.device
+    begins = torch.tensor([max(0, layout.seq_lens[b] - sliding_window) for b in layout.decode], device=device)
+    index = begins[:, None] + torch.arange(sliding_window, device=device)  # [D, W]
+    rows = layout.decode_rows.view(num_decode, num_kv_heads, layout.ctx)
+    rows = rows.gather(2, index[:, None, :].expand(-1, num_kv_heads, -1)).reshape(-1)
+    return rows, layout.decode_bias.gather(3, index[:, None, None, :])
+
+
 def _decode_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: AttentionLayout, scale: float
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    layout: AttentionLayout,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per decode sequence over its paged K/V.
 
@@ -150,20 +189,29 @@ def _decode_attention(
     K, then V, are gathered into padded head-major copies `[D, kvh, ctx, d]` by one `index_select`
     over `(slot, kv head)` rows of `head_dim` values (a gather of whole slots followed by a transpose
     would copy everything twice); each copy is used right after it is made, while it is still in
-    cache. The q.k products come out of the matmul in the cache dtype (as in transformers' eager
-    attention); scaling and masking are one float32 `add`, the softmax is float32, and the
-    probabilities are cast to the value dtype for the second matmul, as flash-attention kernels do.
-    Two batched matmuls beat `scaled_dot_product_attention` with a mask on CPU by about 2x here.
+    cache. With a sliding window shorter than `ctx` only each sequence's last `sliding_window`
+    positions are gathered. The q.k products come out of the matmul in the cache dtype (as in
+    transformers' eager attention); scaling, soft-capping and masking are float32, the softmax is
+    float32, and the probabilities are cast to the value dtype for the second matmul, as
+    flash-attention kernels do. Two batched matmuls beat `scaled_dot_product_attention` with a mask on
+    CPU by about 2x here.
     """
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    shape = (len(layout.decode), num_kv_heads, layout.ctx, head_dim)
+    rows, bias, width = layout.decode_rows, layout.decode_bias, layout.ctx
+    if sliding_window is not None and sliding_window < layout.ctx:
+        rows, bias = _windowed_decode_rows(layout, num_kv_heads, sliding_window)
+        width = sliding_window
+    shape = (len(layout.decode), num_kv_heads, width, head_dim)
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        return cache.view(-1, head_dim).index_select(0, layout.decode_rows).view(shape)
+        return cache.view(-1, head_dim).index_select(0, rows).view(shape)
 
-    k = gather(key_cache)
-    scores = torch.add(layout.decode_bias, torch.matmul(q, k.transpose(-1, -2)), alpha=scale)
-    probs = scores.softmax(dim=-1).to(value_cache.dtype)  # [D, kvh, g, ctx]
+    scores = torch.matmul(q, gather(key_cache).transpose(-1, -2))
+    if logits_soft_cap is None:
+        scores = torch.add(bias, scores, alpha=scale)
+    else:
+        scores = soft_cap(scores.float() * scale, logits_soft_cap) + bias
+    probs = scores.softmax(dim=-1).to(value_cache.dtype)  # [D, kvh, g, width]
     return torch.matmul(probs, gather(value_cache))
 
 
@@ -178,6 +226,8 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     prepared: PreparedStep | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged K/V, with grouped-query attention.
 
@@ -185,14 +235,23 @@ def paged_attention(
     block_tables: `[num_seqs, max_blocks_per_seq]` int32. query_start_loc: `[num_seqs + 1]` int32.
     seq_lens: `[num_seqs]` int32, context length including this step's tokens.
     max_query_len, max_seq_len: Python ints, the maxima of the per-sequence query and context lengths.
-    prepared: this step's `prepare_metadata` (None: derived here, for this call only).
+    prepared: this step's `prepare_metadata` (None: derived here, for this call only); it does not
+    depend on the window, so layers with and without one share it.
+    sliding_window: None, or `W >= 1`: the row at position `p` attends only to positions `k` with
+    `p - W < k <= p` (W keys including its own; transformers' `sliding_window_overlay`,
+    `kv_idx > q_idx - sliding_window`, on top of the causal mask). Blocks wholly before a row's window
+    are not read.
+    logits_soft_cap: None, or `cap > 0`: each score `s = scale * q.k` becomes `cap * tanh(s / cap)`
+    before the mask and the softmax (Gemma 2; transformers' `gemma2.eager_attention_forward`).
     Returns `[num_tokens, num_heads, head_dim]` in the query's dtype.
+    Raises ValueError for a window below 1 or a cap that is not positive.
 
-    Query row `i` of sequence `b` sits at absolute position `seq_lens[b] - q_len + i` and attends to
-    positions `0 ..= that position` (decode: `q_len == 1`; prefill and chunked prefill: `q_len > 1`).
-    Decode rows are computed as one padded batch; sequences with `q_len > 1` one at a time, so a mixed
-    step pays no padding for its long prefills.
+    Query row `i` of sequence `b` sits at absolute position `p = seq_lens[b] - q_len + i` and attends to
+    positions `0 ..= p`, or `max(0, p - W + 1) ..= p` with a window (decode: `q_len == 1`; prefill and
+    chunked prefill: `q_len > 1`). Decode rows are computed as one padded batch; sequences with
+    `q_len > 1` one at a time, so a mixed step pays no padding for its long prefills.
     """
+    check_window_and_soft_cap(sliding_window, logits_soft_cap)
     num_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     groups = num_heads // num_kv_heads
@@ -207,12 +266,16 @@ def paged_attention(
         all_decode = len(decode) == len(lens)
         q = query if all_decode else query[[starts[b] for b in decode]]
         q = q.view(len(decode), num_kv_heads, groups, -1)  # [D, kvh, g, d]
-        o = _decode_attention(q, key_cache, value_cache, layout, scale).reshape(len(decode), num_heads, -1)
+        o = _decode_attention(q, key_cache, value_cache, layout, scale, sliding_window, logits_soft_cap)
+        o = o.reshape(len(decode), num_heads, -1)
         if all_decode:
             return o
         out[[starts[b] for b in decode]] = o
 
-    prefill_attention(out, query, key_cache, value_cache, block_tables, q_lens, starts, lens, scale)
+    prefill_attention(
+        out, query, key_cache, value_cache, block_tables, q_lens, starts, lens, scale,
+        sliding_window, logits_soft_cap,
+    )  # fmt: skip
     return out
 
 
@@ -226,32 +289,71 @@ def prefill_attention(
     starts: list[int],
     seq_lens: list[int],
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """The rows of sequences with `q_len > 1` (prefill, chunked prefill) of `paged_attention`, written
-    into `out` in place, one sequence at a time with torch's flash-attention kernel for CPU; rows of
-    decode sequences are left as they are. Shared by the `torch` and `cpu` backends.
+    into `out` in place, one sequence at a time with torch's flash-attention kernel for CPU (or, with a
+    soft cap, which it cannot apply, two matmuls and a float32 softmax); rows of decode sequences are
+    left as they are. Shared by the `torch` and `cpu` backends.
 
     out, query: `[num_tokens, num_heads, head_dim]`. q_lens, starts, seq_lens: per sequence, Python ints
-    (query rows `starts[b] : starts[b] + q_lens[b]`, `seq_lens[b]` tokens of context).
+    (query rows `starts[b] : starts[b] + q_lens[b]`, `seq_lens[b]` tokens of context). sliding_window,
+    logits_soft_cap: as in `paged_attention`; the blocks before the first row's window are not gathered.
     """
+    block_size = key_cache.shape[1]
     for b, q_len in enumerate(q_lens):
         if q_len == 1:
             continue
         seq_len = seq_lens[b]
-        k = _gather_kv(key_cache, block_tables[b : b + 1], seq_len)[0]  # [seq_len, kvh, d]
-        v = _gather_kv(value_cache, block_tables[b : b + 1], seq_len)[0]
+        first = seq_len - q_len  # position of the chunk's first row
+        # Whole blocks before the first row's window are seen by no row of the chunk.
+        skip = 0 if sliding_window is None else max(0, first - sliding_window + 1) // block_size
+        table = block_tables[b : b + 1, skip:]
+        k = _gather_kv(key_cache, table, seq_len - skip * block_size)[0]  # [n, kvh, d]
+        v = _gather_kv(value_cache, table, seq_len - skip * block_size)[0]
         q = query[starts[b] : starts[b] + q_len]  # [q_len, h, d]
         q = q.transpose(0, 1)  # [h, q_len, d]
-        k = k.transpose(0, 1)  # [kvh, seq_len, d]
+        k = k.transpose(0, 1)  # [kvh, n, d]
         v = v.transpose(0, 1)
-        if q_len == seq_len:
+        if q_len == seq_len and sliding_window is None and logits_soft_cap is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            # Chunk of a longer context: row i sees the cached prefix plus its own causal part.
-            pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            # Row i at position first + i sees key k (absolute) when k <= first + i, and within the window.
+            pos = torch.arange(first, seq_len, device=query.device)[:, None]
+            keys = torch.arange(skip * block_size, seq_len, device=query.device)[None, :]
+            mask = keys <= pos
+            if sliding_window is not None:
+                mask &= keys > pos - sliding_window
+            if logits_soft_cap is None:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            else:
+                o = _soft_capped_attention(q, k, v, mask, scale, logits_soft_cap)
         out[starts[b] : starts[b] + q_len] = o.transpose(0, 1)
+
+
+def _soft_capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    logits_soft_cap: float,
+) -> torch.Tensor:
+    """Grouped-query attention with soft-capped scores: q.k in float32 (as the flash-attention kernel
+    of the uncapped path accumulates it), then scale, soft cap, mask and softmax in float32; the
+    probabilities are cast to the value dtype for the second matmul.
+
+    q: `[h, q_len, d]`; k, v: `[kvh, n, d]`; mask: `[q_len, n]` bool, True where a row may attend (every
+    row attends somewhere). Returns `[h, q_len, d]` in q's dtype.
+    """
+    num_heads, q_len, head_dim = q.shape
+    num_kv_heads, n = k.shape[0], k.shape[1]
+    # Query head h reads KV head h // groups: fold each group's heads into the row axis.
+    scores = torch.matmul(q.reshape(num_kv_heads, -1, head_dim).float(), k.float().transpose(-1, -2))
+    scores = soft_cap(scores * scale, logits_soft_cap).view(num_heads, q_len, n)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs.view(num_kv_heads, -1, n), v).view(num_heads, q_len, head_dim)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

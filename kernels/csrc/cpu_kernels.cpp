@@ -175,6 +175,25 @@ inline void softmax(float* s, int64_t n) {
 }
 #endif
 
+// s[0..n) = cap * tanh(s[0..n) / cap) (Gemma 2's attention soft-capping) when cap > 0; else unchanged.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) {
+    return;
+  }
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = cap * std::tanh(s[i] * inv);
+  }
+}
+
+// The attention options of paged_decode_attention, resolved once per call: the first key position a
+// decode row of context `len` reads (its sliding window's, or 0), and the soft cap (0: none).
+struct AttentionOptions {
+  int64_t window = 0;  // 0: no sliding window
+  float cap = 0.f;     // 0: no soft cap
+  int64_t first_key(int64_t len) const { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+};
+
 void check_cpu(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (the cpu kernel backend)");
 }
@@ -404,12 +423,14 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& key
 // Each decode sequence walks its block table once for K and once for V: every slot (all KV heads) is
 // converted to float32 once and used by all query heads of its group, and the next blocks are prefetched
 // because blocks sit anywhere in the cache. Only positions below the sequence's length are read, so
-// never-written slots are never touched. Scores, softmax and the weighted sum of values are float32, as
-// in vLLM's CPU and CUDA paged-attention kernels.
+// never-written slots are never touched; with a sliding window the walk starts at the window's first
+// key, so blocks wholly before it are never read either. Scores (soft-capped when asked), softmax and
+// the weighted sum of values are float32, as in vLLM's CPU and CUDA paged-attention kernels.
 template <typename T>
 void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                       const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
-                      const int64_t* ids, const int64_t* rows, int64_t num_decode, double scale) {
+                      const int64_t* ids, const int64_t* rows, int64_t num_decode, double scale,
+                      AttentionOptions options) {
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1);
@@ -433,48 +454,53 @@ void decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_
       const int64_t len = lens[seq];
       const int32_t* table = tables + seq * max_blocks;
       const int64_t num_blocks = (len + block_size - 1) / block_size;
+      const int64_t begin = options.first_key(len), n = len - begin;  // keys begin .. len - 1
+      const int64_t first_block = begin / block_size;
       for (int64_t h = 0; h < num_heads; ++h) {
         to_float(q_ptr + row * query.stride(0) + h * query.stride(1), q.data() + h * head_dim, head_dim);
         for (int64_t x = 0; x < head_dim; ++x) {
           q[h * head_dim + x] *= static_cast<float>(scale);
         }
       }
-      scores.resize(num_heads * len);  // scores[h * len + t]
-      for (int64_t b = 0; b < std::min(kPrefetchBlocks, num_blocks); ++b) {
+      scores.resize(num_heads * n);  // scores[h * n + t - begin]
+      const int64_t walked = num_blocks - first_block;  // blocks holding keys begin .. len - 1
+      for (int64_t b = first_block; b < first_block + std::min(kPrefetchBlocks, walked); ++b) {
         prefetch(k_ptr + table[b] * block_elems, block_elems);
       }
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        if (b + kPrefetchBlocks < num_blocks) {
-          prefetch(k_ptr + table[b + kPrefetchBlocks] * block_elems, block_elems);
-        } else if (b + kPrefetchBlocks - num_blocks < num_blocks) {
-          prefetch(v_ptr + table[b + kPrefetchBlocks - num_blocks] * block_elems, block_elems);
+      for (int64_t b = first_block; b < num_blocks; ++b) {
+        const int64_t ahead = b - first_block + kPrefetchBlocks;  // walk index of the block fetched now
+        if (ahead < walked) {
+          prefetch(k_ptr + table[first_block + ahead] * block_elems, block_elems);
+        } else if (ahead - walked < walked) {
+          prefetch(v_ptr + table[first_block + ahead - walked] * block_elems, block_elems);
         }
-        const int64_t first = b * block_size;
-        const int64_t count = std::min(block_size, len - first);
-        const T* base = k_ptr + table[b] * block_elems;
+        const int64_t first = std::max(b * block_size, begin);
+        const int64_t count = std::min((b + 1) * block_size, len) - first;
+        const T* base = k_ptr + table[b] * block_elems + (first - b * block_size) * slot_size;
         for (int64_t i = 0; i < count; ++i) {
           to_float(base + i * slot_size, slot.data(), slot_size);
           for (int64_t h = 0; h < num_heads; ++h) {
-            scores[h * len + first + i] =
+            scores[h * n + first - begin + i] =
                 dot(q.data() + h * head_dim, slot.data() + (h / groups) * head_dim, head_dim);
           }
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
-        softmax(scores.data() + h * len, len);
+        soft_cap(scores.data() + h * n, n, options.cap);
+        softmax(scores.data() + h * n, n);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      for (int64_t b = first_block; b < num_blocks; ++b) {
         if (b + kPrefetchBlocks < num_blocks) {
           prefetch(v_ptr + table[b + kPrefetchBlocks] * block_elems, block_elems);
         }
-        const int64_t first = b * block_size;
-        const int64_t count = std::min(block_size, len - first);
-        const T* base = v_ptr + table[b] * block_elems;
+        const int64_t first = std::max(b * block_size, begin);
+        const int64_t count = std::min((b + 1) * block_size, len) - first;
+        const T* base = v_ptr + table[b] * block_elems + (first - b * block_size) * slot_size;
         for (int64_t i = 0; i < count; ++i) {
           to_float(base + i * slot_size, slot.data(), slot_size);
           for (int64_t h = 0; h < num_heads; ++h) {
-            axpy(scores[h * len + first + i], slot.data() + (h / groups) * head_dim,
+            axpy(scores[h * n + first - begin + i], slot.data() + (h / groups) * head_dim,
                  acc.data() + h * head_dim, head_dim);
           }
         }
@@ -497,11 +523,13 @@ constexpr int64_t kPrefetchTokens = 16;  // how far ahead K and V rows are fetch
 // row is widened to float32 once for the group's query heads; their dot products are finished kLanes
 // tokens at a time (Simd::reduce); the weighted sum of V rows accumulates in registers, kHeadsPerPass
 // heads per pass over V. Scores, softmax and sums are float32 as in decode_attention; only the order of
-// additions inside a dot product differs.
+// additions inside a dot product differs. With a sliding window only keys from the window's first on
+// are read, as there.
 template <typename T, int V>
 void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                           const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
-                          const int64_t* ids, const int64_t* rows, int64_t num_decode, double scale) {
+                          const int64_t* ids, const int64_t* rows, int64_t num_decode, double scale,
+                          AttentionOptions options) {
   using Vec = Simd::Vec;
   constexpr int64_t L = Simd::kLanes, H = Simd::kHeadsPerPass, head_dim = L * V;
   const int64_t num_heads = query.size(1);
@@ -519,12 +547,15 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const Vec vscale = Simd::set1(static_cast<float>(scale));
   // Contexts differ by 10x and more, so a static split leaves one thread waiting for the other: the
-  // threads take tasks one at a time, longest sequences first.
+  // threads take tasks one at a time, most keys to read first.
+  auto keys_read = [&](int64_t d) {
+    const int64_t len = lens[ids ? ids[d] : d];
+    return len - options.first_key(len);
+  };
   std::vector<int64_t> order(num_decode);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return lens[ids ? ids[a] : a] > lens[ids ? ids[b] : b];
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return keys_read(a) > keys_read(b); });
   const int64_t num_tasks = num_decode * num_kv_heads;
   std::atomic<int64_t> next_task{0};
 
@@ -536,6 +567,7 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
       const int64_t seq = ids ? ids[d] : d;
       const int64_t row = rows ? rows[d] : d;
       const int64_t len = lens[seq];
+      const int64_t begin = options.first_key(len), n = len - begin;  // keys begin .. len - 1
       const int32_t* table = tables + seq * max_blocks;
       const int64_t head0 = kv * groups;
       // Row t of this KV head in the K or V cache (blocks sit anywhere, so rows ahead are fetched by hand).
@@ -548,15 +580,15 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
           q[g * V + v] = Simd::mul(Simd::load(src + L * v), vscale);
         }
       }
-      const int64_t padded = (len + L - 1) / L * L;
-      scores.resize(groups * padded);  // scores[g * padded + t]
+      const int64_t padded = (n + L - 1) / L * L;
+      scores.resize(groups * padded);  // scores[g * padded + t - begin]
       // Between two attentions the matmuls stream every layer's weights through the caches, so this
       // task's K and V rows come from memory, scattered over its blocks: a row at a time, 16 ahead,
       // kept too few reads in flight (on a 2-core EPYC the embedded model's attention ran at 10 GB/s
       // after a layer's MLP, 35 GB/s when its KV was still cached). So every K row is requested into
       // L2 up front, and each V row while its K row is scored; the nearer L1 prefetches stay.
-      for (int64_t t = 0; t < len; ++t) prefetch<2>(cache_row(k_ptr, t), head_dim);
-      for (int64_t t0 = 0; t0 < len; t0 += L) {
+      for (int64_t t = begin; t < len; ++t) prefetch<2>(cache_row(k_ptr, t), head_dim);
+      for (int64_t t0 = begin; t0 < len; t0 += L) {
         for (int64_t i = 0; i < L; ++i) {
           const int64_t t = t0 + i;
           if (t >= len) {
@@ -575,11 +607,12 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
           }
         }
         for (int64_t g = 0; g < groups; ++g) {
-          Simd::store(scores.data() + g * padded + t0, Simd::reduce(partial.data() + g * L));
+          Simd::store(scores.data() + g * padded + t0 - begin, Simd::reduce(partial.data() + g * L));
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
-        softmax(scores.data() + g * padded, len);
+        soft_cap(scores.data() + g * padded, n, options.cap);
+        softmax(scores.data() + g * padded, n);
       }
       for (int64_t g0 = 0; g0 < groups; g0 += H) {
         const int64_t heads = std::min(H, groups - g0);
@@ -587,11 +620,11 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
         for (int64_t h = 0; h < H; ++h)
           for (int v = 0; v < V; ++v) acc[h][v] = Simd::zero();
         const float* s0 = scores.data() + g0 * padded;
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = begin; t < len; ++t) {
           if (t + kPrefetchTokens < len) prefetch(cache_row(v_ptr, t + kPrefetchTokens), head_dim);
           const T* vrow = cache_row(v_ptr, t);
           Vec p[H];
-          for (int64_t h = 0; h < heads; ++h) p[h] = Simd::set1(s0[h * padded + t]);
+          for (int64_t h = 0; h < heads; ++h) p[h] = Simd::set1(s0[h * padded + t - begin]);
           for (int v = 0; v < V; ++v) {
             const Vec vf = Simd::load(vrow + L * v);
             acc[0][v] = Simd::fmadd(p[0], vf, acc[0][v]);
@@ -611,11 +644,13 @@ void decode_attention_vec(const Tensor& out, const Tensor& query, const Tensor& 
 #endif
 
 // Writes out[query_rows[i]] for decode sequence seq_ids[i]; without seq_ids/query_rows, every sequence is
-// a decode and sequence i's query is row i.
+// a decode and sequence i's query is row i. sliding_window W: the row (at position len - 1) reads keys
+// len - W .. len - 1 only; logits_soft_cap: scores s become cap * tanh(s / cap) before the softmax.
 void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                             const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                             const std::optional<Tensor>& seq_ids, const std::optional<Tensor>& query_rows,
-                            double scale) {
+                            double scale, std::optional<int64_t> sliding_window,
+                            std::optional<double> logits_soft_cap) {
   check_heads(query, "query");
   check_heads(out, "out");
   check_cpu(key_cache, "key_cache");
@@ -629,6 +664,13 @@ void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(seq_ids.has_value() == query_rows.has_value(), "pass both seq_ids and query_rows, or neither");
+  TORCH_CHECK(!sliding_window.has_value() || *sliding_window >= 1, "sliding_window must be at least 1, got ",
+              sliding_window.value_or(0));
+  TORCH_CHECK(!logits_soft_cap.has_value() || *logits_soft_cap > 0, "logits_soft_cap must be positive, got ",
+              logits_soft_cap.value_or(0));
+  AttentionOptions options;
+  options.window = sliding_window.value_or(0);
+  options.cap = static_cast<float>(logits_soft_cap.value_or(0));
   const Tensor tables = block_tables.contiguous();
   const Tensor lens = seq_lens.contiguous();
   const int64_t num_seqs = lens.size(0);
@@ -661,17 +703,17 @@ void paged_decode_attention(const Tensor& out, const Tensor& query, const Tensor
       switch (query.size(2)) {
         case 4 * L:
           return decode_attention_vec<scalar_t, 4>(out, query, key_cache, value_cache, tables, lens, id_ptr,
-                                                   row_ptr, num_decode, scale);
+                                                   row_ptr, num_decode, scale, options);
         case 8 * L:
           return decode_attention_vec<scalar_t, 8>(out, query, key_cache, value_cache, tables, lens, id_ptr,
-                                                   row_ptr, num_decode, scale);
+                                                   row_ptr, num_decode, scale, options);
         default:
           break;
       }
     }
 #endif
     decode_attention<scalar_t>(out, query, key_cache, value_cache, tables, lens, id_ptr, row_ptr, num_decode,
-                               scale);
+                               scale, options);
   });
 }
 
@@ -693,6 +735,7 @@ CONVEYOR_LIBRARY(CONVEYOR_CPU_NAMESPACE, m) {
       &reshape_and_cache);
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, Tensor? seq_ids, Tensor? query_rows, float scale) -> ()",
+      "Tensor block_tables, Tensor seq_lens, Tensor? seq_ids, Tensor? query_rows, float scale, "
+      "int? sliding_window=None, float? logits_soft_cap=None) -> ()",
       &paged_decode_attention);
 }

@@ -26,6 +26,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at:
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const std::optional<at::Tensor>& seq_ids,
-                            const std::optional<at::Tensor>& query_rows, double scale);
+                            const std::optional<at::Tensor>& query_rows, double scale,
+                            std::optional<int64_t> sliding_window, std::optional<double> logits_soft_cap);
 
 }  // namespace conveyor::cpu

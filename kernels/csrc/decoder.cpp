@@ -172,11 +172,12 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
     const Tensor attn = at::empty(q.sizes(), q.options());
     if (layout.all_decode) {
       conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens,
-                                            std::nullopt, std::nullopt, scale);
+                                            std::nullopt, std::nullopt, scale, std::nullopt, std::nullopt);
     } else {
       if (layout.decode_seqs.numel() > 0) {
         conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens,
-                                              layout.decode_seqs, layout.decode_rows, scale);
+                                              layout.decode_seqs, layout.decode_rows, scale, std::nullopt,
+                                              std::nullopt);
       }
       prefill_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens, layout, scale);
     }

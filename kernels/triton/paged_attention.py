@@ -11,7 +11,10 @@ normalised by its own softmax sum plus its log-sum-exp; a second kernel combines
 the context lets a batch of a few long sequences still occupy every SM.
 
 All softmax arithmetic is float32 (scores are kept in the log2 domain so `exp2` can be used) whatever
-the input dtype; K/V slots past a sequence's length are never loaded.
+the input dtype; K/V slots past a sequence's length are never loaded. With a sliding window every
+program starts its KV loop at the first key any of its rows can see: the decode splits divide the
+window, not the whole context, and a prefill tile starts at its first row's window, so blocks wholly
+before the window are never loaded.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.kernels.reference import check_window_and_soft_cap
 from conveyor.kernels.triton.device import check_device
 
 _LOG2E = 1.4426950408889634
+# The window passed to the kernels when there is none: wider than any context, so no key is cut.
+_NO_WINDOW = 1 << 30
 
 # Decode tiling: tokens of context per loop iteration, and bounds for the number of context splits.
 _DECODE_BLOCK_N = 64
@@ -50,6 +56,15 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """`cap * tanh(s / cap)` elementwise, s and cap in the same units (log2 here); tanh through exp2,
+    `sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|))`, which neither overflows nor needs libdevice."""
+    e = tl.exp2(tl.abs(s) * (-2.0 * 1.4426950408889634 / cap))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * cap
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -61,6 +76,8 @@ def _decode_split_kernel(
     partial_lse_ptr,
     out_ptr,
     scale_log2,
+    soft_cap_log2,
+    window,
     split_size,
     stride_qt,
     stride_qh,
@@ -87,9 +104,12 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """One (sequence, KV head, split): partial attention of the sequence's single query row, for the
-    GROUPS query heads sharing the KV head, over context positions [split * split_size, ...).
+    GROUPS query heads sharing the KV head, over context positions [win_start + split * split_size, ...),
+    win_start = max(0, seq_len - window) being the window's first key (0 without a window). Scores are
+    soft-capped at soft_cap_log2 (the cap in log2 units) when SOFT_CAP.
     With SINGLE_SPLIT the partial result is the final one: written to out, no reduce needed."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,9 +118,9 @@ def _decode_split_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_start = split * split_size
+    split_start = tl.maximum(seq_len - window, 0) + split * split_size
     # Prefill rows belong to the other kernel; splits past the end have nothing to do (the reduce
-    # kernel derives the number of live splits from seq_len and never reads theirs).
+    # kernel derives the number of live splits from seq_len and the window and never reads theirs).
     if q_len != 1 or split_start >= seq_len:
         return
     split_end = tl.minimum(split_start + split_size, seq_len)
@@ -133,6 +153,8 @@ def _decode_split_kernel(
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         s = _dot(q, k, DOT_PRECISION, UPCAST_DOT) * scale_log2  # [BLOCK_G, BLOCK_N]
+        if SOFT_CAP:
+            s = _soft_cap(s, soft_cap_log2)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -169,6 +191,7 @@ def _decode_reduce_kernel(
     seq_lens_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    window,
     split_size,
     stride_ot,
     stride_oh,
@@ -190,7 +213,7 @@ def _decode_reduce_kernel(
     if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    live_splits = tl.cdiv(seq_len, split_size)
+    live_splits = tl.cdiv(seq_len - tl.maximum(seq_len - window, 0), split_size)
 
     offs_k = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
@@ -230,6 +253,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2,
+    soft_cap_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -250,10 +275,12 @@ def _prefill_kernel(
     SKIP_DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """One (sequence, query head, tile of BLOCK_M query rows): causal flash attention over the
     sequence's paged context. Row i of a sequence with q_len rows and seq_len tokens sits at position
-    seq_len - q_len + i and attends to positions 0 ..= that position."""
+    p = seq_len - q_len + i and attends to positions max(0, p - window + 1) ..= p. Scores are
+    soft-capped at soft_cap_log2 (the cap in log2 units) when SOFT_CAP."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     m_block = tl.program_id(2)
@@ -283,9 +310,11 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # The tile's last row sees positions up to seq_len - q_len + its index; nothing beyond is loaded.
+    # The tile's last row sees positions up to seq_len - q_len + its index, its first row none before
+    # its window's first key; nothing outside is loaded.
     kv_end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_begin = tl.maximum(seq_len - q_len + m_block * BLOCK_M - window + 1, 0)
+    for start in range(kv_begin, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
@@ -298,12 +327,20 @@ def _prefill_kernel(
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         s = _dot(q, k, DOT_PRECISION, UPCAST_DOT) * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
+        if SOFT_CAP:
+            s = _soft_cap(s, soft_cap_log2)
+        visible = (
+            mask_n[None, :]
+            & (offs_n[None, :] <= positions[:, None])
+            & (offs_n[None, :] > positions[:, None] - window)
+        )
         s = tl.where(visible, s, float("-inf"))
-        # Every row sees position 0 in the first tile, so m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A row whose window starts past this tile has seen nothing yet (m_new = -inf): subtracting 0
+        # instead keeps its alpha and p at 0 rather than NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             v_cache_ptr
@@ -315,7 +352,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    # Padding rows past q_len (never stored) may see no key under a window: divide them by 1, not 0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -379,22 +417,27 @@ def paged_attention_decode(
     scale: float,
     max_seq_len: int,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Write into `out` the attention of every sequence whose query length is 1; other rows untouched.
 
-    Shapes as in `paged_attention`; `out` is `[num_tokens, num_heads, head_dim]`.
-    num_splits: context splits per sequence (a power of two), default `num_kv_splits(...)`.
+    Shapes, sliding_window and logits_soft_cap as in `paged_attention`; `out` is
+    `[num_tokens, num_heads, head_dim]`. num_splits: splits of the keys a row reads (its window, or the
+    whole context) per sequence, a power of two, default `num_kv_splits(...)` on the window's length.
     """
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     groups = num_heads // num_kv_heads
+    # The most keys a decode row reads: its window, or its whole context.
+    keys_read = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     if num_splits is None:
-        num_splits = num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, keys_read, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     # Round split boundaries to whole tiles so only a sequence's last tile is partial.
-    split_size = -(-max(1, max_seq_len) // num_splits)
+    split_size = -(-max(1, keys_read) // num_splits)
     block_n = _DECODE_BLOCK_N_FP32 if query.dtype == torch.float32 else _DECODE_BLOCK_N
     split_size = -(-split_size // block_n) * block_n
     # With one split the kernel writes `out` directly and these stay unused.
@@ -403,6 +446,7 @@ def paged_attention_decode(
     )
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     block_d = triton.next_power_of_2(head_dim)
+    window = _NO_WINDOW if sliding_window is None else sliding_window
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -414,6 +458,8 @@ def paged_attention_decode(
         partial_lse,
         out,
         scale * _LOG2E,
+        (logits_soft_cap or 1.0) * _LOG2E,
+        window,
         split_size,
         query.stride(0),
         query.stride(1),
@@ -441,6 +487,7 @@ def paged_attention_decode(
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST_DOT=_upcast_dot(query),
         SINGLE_SPLIT=num_splits == 1,
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=4,
         num_stages=_NUM_STAGES,
     )
@@ -452,6 +499,7 @@ def paged_attention_decode(
         seq_lens,
         partial_out,
         partial_lse,
+        window,
         split_size,
         out.stride(0),
         out.stride(1),
@@ -477,9 +525,12 @@ def paged_attention_prefill(
     scale: float,
     max_query_len: int,
     skip_decode: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Write into `out` the causal attention of every sequence with more than one query row (and of
-    single-row sequences too when `skip_decode` is False). Shapes as in `paged_attention`."""
+    single-row sequences too when `skip_decode` is False). Shapes, sliding_window and logits_soft_cap
+    as in `paged_attention`."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -493,6 +544,8 @@ def paged_attention_prefill(
         seq_lens,
         out,
         scale * _LOG2E,
+        (logits_soft_cap or 1.0) * _LOG2E,
+        _NO_WINDOW if sliding_window is None else sliding_window,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -513,6 +566,7 @@ def paged_attention_prefill(
         SKIP_DECODE=skip_decode,
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST_DOT=_upcast_dot(query),
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=4,
         num_stages=_NUM_STAGES,
     )
@@ -529,26 +583,29 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     prepared: None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged K/V, with grouped-query attention.
 
     query: `[num_tokens, num_heads, head_dim]` (float32, float16 or bfloat16); key_cache, value_cache:
     `[num_blocks, block_size, num_kv_heads, head_dim]`, same dtype; block_tables: `[num_seqs, max_blocks]`
     int32; query_start_loc: `[num_seqs + 1]` int32; seq_lens: `[num_seqs]` int32. prepared: unused (the
-    kernels read the metadata on the device; `prepare_metadata` gives None).
+    kernels read the metadata on the device; `prepare_metadata` gives None). sliding_window: attend to
+    the last W positions only; logits_soft_cap: scores become `cap * tanh(score / cap)`.
     Returns `[num_tokens, num_heads, head_dim]` in the query's dtype. See the reference for semantics.
-    Raises ValueError when num_heads is not a multiple of num_kv_heads or head_dim is strided.
+    Raises ValueError when num_heads is not a multiple of num_kv_heads, head_dim is strided, the window
+    is below 1 or the cap is not positive.
     """
     _check_inputs(query, key_cache, value_cache)
+    check_window_and_soft_cap(sliding_window, logits_soft_cap)
     check_device(_prefill_kernel, query)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out
-    paged_attention_decode(
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len
-    )
+    metadata = (block_tables, query_start_loc, seq_lens, scale)
+    options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    paged_attention_decode(out, query, key_cache, value_cache, *metadata, max_seq_len, **options)
     if max_query_len > 1:
-        paged_attention_prefill(
-            out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
-        )
+        paged_attention_prefill(out, query, key_cache, value_cache, *metadata, max_query_len, **options)
     return out

@@ -43,6 +43,25 @@ DTYPES = [torch.float32, torch.bfloat16]
 DECODE_BATCH = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)]
 # (seq_len, q_len): decodes, full prefills and chunked prefills (cached prefix + chunk), in one batch.
 MIXED_BATCH = [(1, 1), (15, 15), (16, 1), (17, 5), (300, 40), (33, 33), (200, 1), (16, 16)]
+# Sliding windows by their size against the layout's block and the batches' contexts (at most 300
+# tokens): a window of 1 (each row sees itself only), within a block, exactly a block, a few blocks,
+# and longer than any context (the same as none). The chunks (17, 5) and (300, 40) of MIXED_BATCH start
+# inside their first row's window for all but the first and last, so their rows' windows cross from the
+# chunk into the cached prefix at different offsets.
+# The layouts the sliding-window and soft-cap tests run: every layout in float32, two in bfloat16
+# (the interpreted Triton kernels take seconds per call, and the options add no dtype-specific code).
+OPTION_LAYOUTS = [(layout, torch.float32) for layout in LAYOUTS] + [
+    (LAYOUTS[2], torch.bfloat16),
+    (LAYOUTS[5], torch.bfloat16),
+]
+OPTION_LAYOUT_IDS = [f"{LAYOUT_IDS[LAYOUTS.index(layout)]}-{dtype}" for layout, dtype in OPTION_LAYOUTS]
+WINDOWS = {
+    "one": lambda block_size: 1,
+    "under_block": lambda block_size: block_size - 3,
+    "block": lambda block_size: block_size,
+    "blocks": lambda block_size: 2 * block_size + 3,
+    "over_context": lambda block_size: 1000,
+}
 
 
 def _interpreting() -> bool:
@@ -168,14 +187,29 @@ class PagedBatch:
             self.max_seq_len,
         )
 
-    def truth(self) -> torch.Tensor:
-        """The reference in float32 on the same (upcast) inputs, on CPU."""
+    def truth(self, **options) -> torch.Tensor:
+        """The reference in float32 on the same (upcast) inputs, on CPU; options: paged_attention's
+        keyword arguments (sliding_window, logits_soft_cap)."""
         args = [
             a.cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
             for a in self.args()
         ]
         args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
-        return ref.paged_attention(*args)
+        return ref.paged_attention(*args, **options)
+
+    def poison_blocks_before_window(self, sliding_window: int) -> int:
+        """Fill with NaN every block of K and V that lies wholly before the window of each sequence's
+        first query row, which no row may read; returns how many blocks were poisoned."""
+        block_size = self.key_cache.shape[1]
+        starts = self.query_start_loc.tolist()
+        poisoned = 0
+        for b, seq_len in enumerate(self.seq_lens.tolist()):
+            first_key = max(0, seq_len - (starts[b + 1] - starts[b]) - sliding_window + 1)
+            blocks = self.block_tables[b, : first_key // block_size].long()
+            self.key_cache[blocks] = float("nan")
+            self.value_cache[blocks] = float("nan")
+            poisoned += len(blocks)
+        return poisoned
 
     def decode_rows(self) -> list[int]:
         starts = self.query_start_loc.tolist()
@@ -273,6 +307,79 @@ def test_paged_attention_long_prefill_spans_query_tiles(backend: ModuleType):
     batch = PagedBatch([(227, 130), (70, 70)], (9, 3, 64, 16), torch.bfloat16, seed=15)
     out = backend.paged_attention(*batch.args())
     torch.testing.assert_close(out.float(), batch.truth(), **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("layout", "dtype"), OPTION_LAYOUTS, ids=OPTION_LAYOUT_IDS)
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_paged_attention_sliding_window(backend: ModuleType, window: str, layout, dtype, poisoned_empty):
+    """Decode rows, full prefills and chunks crossing the window's edge, in a mixed step and in a step of
+    decodes only. The blocks before each sequence's window hold NaN, so a kernel that reads one (instead
+    of starting at the window) fails too."""
+    sliding_window = WINDOWS[window](layout[3])
+    for shape, seed in ((MIXED_BATCH, 51), (DECODE_BATCH, 52)):
+        batch = PagedBatch(shape, layout, dtype, seed=seed)
+        truth = batch.truth(sliding_window=sliding_window)
+        # The window matters: without it the rows that have keys before their window differ.
+        assert torch.allclose(truth, batch.truth()) == (window == "over_context")
+        poisoned = batch.poison_blocks_before_window(sliding_window)
+        assert (poisoned > 0) == (window != "over_context")
+        out = backend.paged_attention(*batch.args(), sliding_window=sliding_window)
+        torch.testing.assert_close(out.float(), truth, **_tol(dtype))
+
+
+@pytest.mark.parametrize(("layout", "dtype"), OPTION_LAYOUTS, ids=OPTION_LAYOUT_IDS)
+@pytest.mark.parametrize(("sliding_window", "logits_soft_cap"), [(None, 1.5), (7, 2.0)])
+def test_paged_attention_soft_cap(
+    backend: ModuleType, sliding_window: int | None, logits_soft_cap: float, layout, dtype, poisoned_empty
+):
+    """Soft-capped scores (queries scaled up so that scores of a few units are capped hard at 1.5 or
+    2), alone and with a window, over decodes, full prefills and chunks."""
+    options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    batch = PagedBatch(MIXED_BATCH, layout, dtype, seed=53)
+    batch.query = batch.query * 3
+    out = backend.paged_attention(*batch.args(), **options)
+    truth = batch.truth(**options)
+    torch.testing.assert_close(out.float(), truth, **_tol(dtype))
+    assert not torch.allclose(truth, batch.truth(sliding_window=sliding_window), atol=1e-3)  # the cap bites
+
+
+def test_paged_attention_window_and_cap_over_long_prefill_tiles(backend: ModuleType):
+    """A chunk of 130 rows (three 64-row query tiles) after a cached prefix, a full prefill of 70 and a
+    long decode: each tile starts at its own first row's window. Also Gemma 2's cap of 50 alone."""
+    batch = PagedBatch([(227, 130), (70, 70), (500, 1)], (9, 3, 64, 16), torch.float32, seed=55)
+    for options in (
+        {"sliding_window": 40},
+        {"sliding_window": 70, "logits_soft_cap": 2.0},
+        {"logits_soft_cap": 50.0},
+    ):
+        out = backend.paged_attention(*batch.args(), **options)
+        torch.testing.assert_close(out, batch.truth(**options), **_tol(torch.float32))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+def test_paged_attention_decode_splits_divide_the_window(triton_cpu: ModuleType, num_splits: int):
+    """The flash-decoding splits cover the window, not the whole context: with the blocks before it
+    poisoned, every split count still gives the reference's rows (short sequences included, whose
+    window is their whole context)."""
+    from conveyor.kernels.triton.paged_attention import paged_attention_decode
+
+    batch = PagedBatch(MIXED_BATCH, (9, 3, 64, 16), torch.float32, seed=56)
+    truth = batch.truth(sliding_window=100, logits_soft_cap=3.0)
+    assert batch.poison_blocks_before_window(100) > 0
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention_decode(
+        out, *batch.args()[:7], batch.max_seq_len, num_splits, sliding_window=100, logits_soft_cap=3.0
+    )
+    rows = batch.decode_rows()
+    torch.testing.assert_close(out[rows], truth[rows], **_tol(torch.float32))
+
+
+def test_paged_attention_refuses_an_empty_window_or_a_cap_that_is_not_positive(backend: ModuleType):
+    batch = PagedBatch(DECODE_BATCH[:2], (9, 3, 64, 16), torch.float32, seed=57)
+    with pytest.raises(ValueError, match="sliding_window must be at least 1 .*; got 0"):
+        backend.paged_attention(*batch.args(), sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be positive; got -1.0"):
+        backend.paged_attention(*batch.args(), logits_soft_cap=-1.0)
 
 
 def test_paged_attention_strided_query(backend: ModuleType):
@@ -507,6 +614,23 @@ def test_gpu_paged_attention(triton_cuda: ModuleType, layout, dtype):
     out = triton_cuda.paged_attention(*batch.args())
     # float16 carries 3 more mantissa bits than bfloat16: the bf16 tolerance covers it.
     torch.testing.assert_close(out.float().cpu(), batch.truth(), **_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("sliding_window", "logits_soft_cap"), [(1, None), (16, None), (100, 30.0), (None, 2.0)]
+)
+def test_gpu_paged_attention_window_and_soft_cap(
+    triton_cuda: ModuleType, sliding_window: int | None, logits_soft_cap: float | None, dtype
+):
+    options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    shape = MIXED_BATCH + [(4096, 1), (3000, 1), (2000, 300)]
+    batch = PagedBatch(shape, (32, 8, 128, 16), dtype, seed=43, device="cuda")
+    truth = batch.truth(**options)
+    batch.poison_blocks_before_window(sliding_window or 10**6)
+    out = triton_cuda.paged_attention(*batch.args(), **options)
+    torch.testing.assert_close(out.float().cpu(), truth, **_tol(dtype))
 
 
 @pytest.mark.gpu

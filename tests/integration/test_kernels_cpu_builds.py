@@ -46,27 +46,40 @@ def ops(request: pytest.FixtureRequest):
     return getattr(torch.ops, namespace)
 
 
+# (sliding_window, logits_soft_cap): none, a window within a block, a soft cap, both.
+OPTIONS = [(None, None), (5, None), (None, 1.5), (17, 2.0)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-def test_decode_attention(ops, layout, dtype) -> None:
+@pytest.mark.parametrize(("sliding_window", "logits_soft_cap"), OPTIONS)
+def test_decode_attention(ops, layout, dtype, sliding_window, logits_soft_cap) -> None:
+    """With a window, the blocks before it hold NaN: the walk must start at the window."""
     batch = PagedBatch(DECODE_BATCH, layout, dtype, seed=21)
+    batch.query = batch.query * 3  # scores of a few units, which the caps bend
+    truth = batch.truth(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    batch.poison_blocks_before_window(sliding_window or 10**6)
     out = torch.full_like(batch.query, float("nan"))
     ops.paged_decode_attention(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-                               batch.seq_lens, None, None, batch.scale)  # fmt: skip
-    torch.testing.assert_close(out.float(), batch.truth(), **_tol(dtype))
+                               batch.seq_lens, None, None, batch.scale, sliding_window,
+                               logits_soft_cap)  # fmt: skip
+    torch.testing.assert_close(out.float(), truth, **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-def test_decode_rows_of_a_mixed_step(ops, layout, dtype) -> None:
+@pytest.mark.parametrize(("sliding_window", "logits_soft_cap"), OPTIONS)
+def test_decode_rows_of_a_mixed_step(ops, layout, dtype, sliding_window, logits_soft_cap) -> None:
     """Only the decode rows are written (the prefill rows keep their NaN)."""
     batch = PagedBatch(MIXED_BATCH, layout, dtype, seed=22)
     rows = batch.decode_rows()
     seqs = [b for b, q in enumerate(batch.q_lens) if q == 1]
     out = torch.full_like(batch.query, float("nan"))
     ops.paged_decode_attention(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-                               batch.seq_lens, torch.tensor(seqs), torch.tensor(rows), batch.scale)  # fmt: skip
-    torch.testing.assert_close(out[rows].float(), batch.truth()[rows], **_tol(dtype))
+                               batch.seq_lens, torch.tensor(seqs), torch.tensor(rows), batch.scale,
+                               sliding_window, logits_soft_cap)  # fmt: skip
+    truth = batch.truth(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    torch.testing.assert_close(out[rows].float(), truth[rows], **_tol(dtype))
     others = [r for r in range(out.shape[0]) if r not in rows]
     assert out[others].isnan().all()
 

@@ -146,6 +146,102 @@ def test_prepared_metadata_serves_every_layer_and_matches_deriving_it_per_call()
             torch.testing.assert_close(got, want)
 
 
+def _dense_truth(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """The attention of a chunk's rows straight from the definition, in float64: row i sits at position
+    `p = seq_len - q_len + i`; its scores `s = scale * q.k` become `cap * tanh(s / cap)` (transformers'
+    gemma2 eager attention) and it attends to keys `j <= p` with `j > p - W` (transformers'
+    `sliding_window_overlay`). q: `[q_len, h, d]`, k, v: `[seq_len, kvh, d]` -> `[q_len, h, d]`."""
+    q_len, h, _ = q.shape
+    seq_len, kvh, _ = k.shape
+    k = k.double().repeat_interleave(h // kvh, dim=1)
+    v = v.double().repeat_interleave(h // kvh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    keys = torch.arange(seq_len)[None, :]
+    visible = keys <= pos
+    if sliding_window is not None:
+        visible &= keys > pos - sliding_window
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("sliding_window", "logits_soft_cap"),
+    [
+        (1, None),
+        (5, None),
+        (16, None),
+        (40, None),
+        (1000, None),
+        (None, 1.5),
+        (None, 50.0),
+        (7, 2.0),
+        (16, 1.0),
+    ],
+)
+def test_paged_attention_window_and_soft_cap_match_the_definition(
+    sliding_window: int | None, logits_soft_cap: float | None, dtype: torch.dtype
+):
+    """Sliding windows of 1, less than a block, exactly a block (16), more than a block and more than any
+    context, soft caps, and both, over decodes, full prefills and chunks crossing the window's edge, in
+    one mixed step and again as a step of decodes only; also with `prepare_metadata`'s layout, which
+    knows no window."""
+    g = torch.Generator().manual_seed(7 + (sliding_window or 0))
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 16
+    shape = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1), (15, 15), (17, 5), (50, 50), (260, 40), (33, 2)]
+    keys = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s, _ in shape]
+    values = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s, _ in shape]
+    # Scores of a few units, so that a cap of 1.5 or 2 bends most of them.
+    queries = [(3 * torch.randn(q, num_heads, head_dim, generator=g)).to(dtype) for _, q in shape]
+    key_cache, value_cache, block_tables = _scatter_to_paged(keys, values, block_size, g)
+    scale = head_dim**-0.5
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    decodes = [b for b, (_, q) in enumerate(shape) if q == 1]
+    for seqs in (list(range(len(shape))), decodes):
+        q_lens = torch.tensor([shape[b][1] for b in seqs])
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(int(q_lens.sum()), dtype=torch.long),
+            block_tables=block_tables[seqs],
+            query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int(),
+            seq_lens=torch.tensor([shape[b][0] for b in seqs], dtype=torch.int32),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=max(shape[b][0] for b in seqs),
+        )
+        args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.max_query_len)
+        prepared = ref.prepare_metadata(meta, torch.zeros(0, dtype=torch.long), torch.zeros(1, 64), 16, 2)
+        query = torch.cat([queries[b] for b in seqs])
+        for step in (None, prepared):
+            out = ref.paged_attention(query, key_cache, value_cache, *args, meta.max_seq_len, step, **options)
+            assert out.dtype == dtype
+            for i, b in enumerate(seqs):
+                start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+                truth = _dense_truth(queries[b], keys[b], values[b], scale, sliding_window, logits_soft_cap)
+                torch.testing.assert_close(out[start:end].float(), truth, atol=tol, rtol=tol)
+
+
+def test_paged_attention_refuses_an_empty_window_or_a_cap_that_is_not_positive():
+    args = (
+        torch.randn(1, 2, 64), torch.randn(2, 16, 1, 64), torch.randn(2, 16, 1, 64),
+        torch.tensor([[1]], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([3], dtype=torch.int32), 0.125, 1, 3,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_window must be at least 1"):
+        ref.paged_attention(*args, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
+        ref.paged_attention(*args, logits_soft_cap=0.0)
+
+
 def test_reshape_and_cache_writes_only_mapped_slots():
     g = torch.Generator().manual_seed(1)
     key = torch.randn(5, 2, 8, generator=g)
