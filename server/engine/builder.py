@@ -169,22 +169,12 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         raise
 
 
-def _max_model_len(flag: int | None, shape: ModelShape) -> int:
-    """`--max-model-len` checked against the model, or the model's own limit when not given.
-
-    Sliding-window attention is not implemented yet: a model whose layers slide serves sequences up to
-    its window only (where a window and full attention agree), as vLLM did before it had the kernels.
-    Raises ValueError naming the flag."""
-    limit, why = shape.max_position_embeddings, "max_position_embeddings"
-    if shape.sliding_window is not None and shape.sliding_window < limit:
-        limit, why = shape.sliding_window, "sliding_window (sliding-window attention is not implemented)"
-        if flag is None:
-            logger.warning(
-                "max_model_len %d: the model's sliding_window; sliding-window attention is not implemented",
-                limit,
-            )
+def _max_model_len(flag: int | None, shape: ModelShape | GenericShape) -> int:
+    """`--max-model-len` checked against the model's positions, or the model's own limit when not
+    given. Raises ValueError naming the flag."""
+    limit = shape.max_position_embeddings
     if flag is not None and flag > limit:
-        raise ValueError(f"--max-model-len {flag} exceeds the model's {why} {limit}")
+        raise ValueError(f"--max-model-len {flag} exceeds the model's max_position_embeddings {limit}")
     return flag or limit
 
 

@@ -12,7 +12,7 @@ from conveyor.server.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-WINDOW = 512  # a sliding window no prompt reaches (windows are capped at max_model_len for now)
+WINDOW = 16  # shorter than the prompts: the window bites in prefill, chunked prefill and decode
 SHAPE = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -41,6 +41,17 @@ def _config(kind: str):
         return transformers.LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling=scaling)
     if kind == "mistral":
         return transformers.MistralConfig(**SHAPE, sliding_window=None)
+    if kind == "mistral-window":  # every layer slides
+        return transformers.MistralConfig(**SHAPE, sliding_window=WINDOW)
+    if kind == "gemma2":  # soft-capped attention scores and logits, every other layer sliding
+        return transformers.Gemma2Config(
+            **SHAPE,
+            head_dim=48,
+            query_pre_attn_scalar=64,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=10.0,
+        )
     if kind == "qwen2":  # q/k/v projections with bias
         return transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False)
     if kind == "qwen3":  # per-head q/k RMSNorm; head_dim 48, not hidden_size / heads = 32
@@ -89,11 +100,13 @@ def tokenizer():
         "llama-sharded",
         "llama3-rope-scaling",
         "mistral",
+        "mistral-window",
         "qwen2",
         "qwen3",
         "granite",
         "phi3",
         "gemma",
+        "gemma2",
         "gemma3",
     ],
 )
@@ -147,22 +160,6 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
         assert ours[str(i)] == ref[0, len(p) :].tolist(), f"{kind}: prompt {i}"
-
-
-def test_a_sliding_window_model_serves_up_to_its_window(tokenizer, tmp_path):
-    """Sliding-window attention is not implemented: a Mistral whose window is shorter than its
-    positions serves sequences up to the window (where window and full attention agree), and a longer
-    --max-model-len is refused naming the window."""
-    import transformers
-
-    config = transformers.MistralConfig(**SHAPE, sliding_window=128, vocab_size=len(tokenizer))
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    small = CacheConfig(kv_cache_memory=1 << 22)
-    engine = build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path)), cache=small))
-    assert engine.max_model_len == 128
-    with pytest.raises(ValueError, match="--max-model-len 256 exceeds the model's sliding_window"):
-        build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path), max_model_len=256), cache=small))
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

@@ -98,10 +98,6 @@ class ModelShape:
         partial = rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor {partial} is not supported (model type {kind!r})")
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError(
-                f"attn_logit_softcapping (attention soft-capping, model type {kind!r}) is not implemented yet"
-            )
         theta, scaling, local_theta = _rope(config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -248,6 +244,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
         self.scale = shape.attention_multiplier or shape.head_dim**-0.5
+        self.window = shape.sliding_window if sliding else None
+        self.softcap = shape.attn_logit_softcap
         self.local_rope = shape.local_rope_theta is not None
         self.ops = ops
         self.tp = tp
@@ -286,6 +284,8 @@ class LlamaAttention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
             meta.prepared,
+            sliding_window=self.window,
+            logits_soft_cap=self.softcap,
         )
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 

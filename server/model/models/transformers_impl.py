@@ -96,12 +96,10 @@ def paged_attention_forward(
     """transformers' attention-interface signature over conveyor's paged KV cache.
 
     query: `[1, num_heads, num_tokens, head_dim]`; key, value: `[1, num_kv_heads, num_tokens, head_dim]`
-    (after the model's rotary). Returns (`[1, num_tokens, num_heads, head_dim]`, None). Raises
-    ValueError for attention the kernels do not compute (soft-capped scores).
+    (after the model's rotary). The layer's `sliding_window` and `softcap`, where the model passes them,
+    go to the kernel. Returns (`[1, num_tokens, num_heads, head_dim]`, None).
     """
     step: StepContext = kwargs["conveyor_step"]
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attention soft-capping is not implemented")
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
@@ -119,6 +117,8 @@ def paged_attention_forward(
         meta.max_query_len,
         meta.max_seq_len,
         meta.prepared,
+        sliding_window=kwargs.get("sliding_window"),
+        logits_soft_cap=kwargs.get("softcap"),
     )
     return out[None], None
 
