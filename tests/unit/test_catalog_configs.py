@@ -49,7 +49,7 @@ def test_write_config_takes_hub_ids_and_prints_the_path(tmp_path, capsys):
 def test_write_config_of_an_unknown_model_names_the_known_ones(tmp_path, capsys):
     assert plan.main(["--model", "gpt-17", "--write-config", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "unknown model 'gpt-17'; known models: gemma-3-270m, llama-3-70b" in err
+    assert "unknown model 'gpt-17'; known models: gemma-2-9b, gemma-3-270m, llama-3-70b" in err
     assert not (tmp_path / "config.json").exists()
 
 
