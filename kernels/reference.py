@@ -388,7 +388,7 @@ def rope_cos_sin_cache(
     """Rotary-embedding table `[max_position, head_dim]`: cos in the first half, sin in the second.
 
     rope_scaling: a Hugging Face `rope_scaling` dict or None. Supported `rope_type`s: `default`,
-    `linear` (positions divided by `factor`) and `llama3` (Llama 3.1's frequency-dependent scaling:
+    `linear` (positions divided by `factor`), `yarn` (`_yarn_inv_freq`) and `llama3` (Llama 3.1's frequency-dependent scaling:
     wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
     below `... / high_freq_factor` kept, and smoothly interpolated between). Others raise ValueError.
     """
@@ -408,10 +408,55 @@ def rope_cos_sin_cache(
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(head_dim, base, rope_scaling, max_position)
     elif rope_type != "default":
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
     freqs = torch.outer(positions, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    if rope_type == "yarn":
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return torch.cat([cos, sin], dim=-1).to(dtype)
+
+
+def _yarn_inv_freq(
+    head_dim: int, base: float, rope_scaling: dict, max_position: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, arXiv:2309.00071): per dimension, interpolated frequencies (divided by
+    `factor`) below the `beta_slow` rotations, original ones above `beta_fast`, a linear ramp between
+    (the correction range over `original_max_position_embeddings`); cos and sin scaled by the attention
+    factor (0.1 ln(factor) + 1, or mscale / mscale_all_dim's ratio). Computed as transformers'
+    `_compute_yarn_parameters` does, so tokens match it."""
+    original = rope_scaling.get("original_max_position_embeddings") or max_position
+    factor = rope_scaling.get("factor") or max_position / original
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = rope_scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def _rope_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

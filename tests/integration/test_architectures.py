@@ -56,6 +56,9 @@ def _config(kind: str):
         return transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False)
     if kind == "qwen3":  # per-head q/k RMSNorm; head_dim 48, not hidden_size / heads = 32
         return transformers.Qwen3Config(**SHAPE, head_dim=48, tie_word_embeddings=True)
+    if kind == "qwen3-yarn":  # YaRN rope scaling past a 128-token original context
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e6}
+        return transformers.Qwen3Config(**SHAPE, head_dim=48, rope_parameters=yarn)
     if kind == "granite":  # every multiplier away from 1, and biases on q/k/v and o
         return transformers.GraniteConfig(
             **SHAPE,
@@ -103,6 +106,7 @@ def tokenizer():
         "mistral-window",
         "qwen2",
         "qwen3",
+        "qwen3-yarn",
         "granite",
         "phi3",
         "gemma",
