@@ -8,10 +8,11 @@ import torch
 
 from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.server.engine.builder import build_engine
-from conveyor.server.messages import SamplingParams
+from tests.conformance import assert_greedy_equals_transformers
 
 pytestmark = pytest.mark.slow
 
+PROMPTS = ["Hello there", "The capital of France is", "A long prompt " * 12]
 WINDOW = 16  # shorter than the prompts: the window bites in prefill, chunked prefill and decode
 SHAPE = dict(
     hidden_size=128,
@@ -57,7 +58,12 @@ def _config(kind: str):
     if kind == "qwen3":  # per-head q/k RMSNorm; head_dim 48, not hidden_size / heads = 32
         return transformers.Qwen3Config(**SHAPE, head_dim=48, tie_word_embeddings=True)
     if kind == "qwen3-yarn":  # YaRN rope scaling past a 128-token original context
-        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e6}
+        yarn = {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 1e6,
+        }
         return transformers.Qwen3Config(**SHAPE, head_dim=48, rope_parameters=yarn)
     if kind == "granite":  # every multiplier away from 1, and biases on q/k/v and o
         return transformers.GraniteConfig(
@@ -151,19 +157,8 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
         )
     )
     assert engine.served_model_name == tmp_path.name
-    prompts = ["Hello there", "The capital of France is", "A long prompt " * 12]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    ids = [tokenizer(p)["input_ids"] for p in prompts]
-    for i, p in enumerate(ids):
-        engine.add_request(engine.make_request(str(i), p, params))
-    ours: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            ours[out.request_id] += out.new_token_ids
-    for i, p in enumerate(ids):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
-        assert ours[str(i)] == ref[0, len(p) :].tolist(), f"{kind}: prompt {i}"
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert_greedy_equals_transformers(engine, hf, ids, 10, kind)
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
@@ -224,16 +219,5 @@ def test_transformers_implementation_matches_transformers(kind, tokenizer, tmp_p
             )
         )
     assert "model implementation transformers" in caplog.text
-    prompts = ["Hello there", "The capital of France is", "A long prompt " * 12]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    ids = [tokenizer(p)["input_ids"] for p in prompts]
-    for i, p in enumerate(ids):
-        engine.add_request(engine.make_request(str(i), p, params))
-    ours: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            ours[out.request_id] += out.new_token_ids
-    for i, p in enumerate(ids):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
-        assert ours[str(i)] == ref[0, len(p) :].tolist(), f"{kind}: prompt {i}"
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert_greedy_equals_transformers(engine, hf, ids, 10, kind)

@@ -24,9 +24,9 @@ def _recording_backend(calls: dict[str, list]) -> SimpleNamespace:
         calls["prepare_metadata"].append(prepared)
         return prepared
 
-    def paged_attention(*args):
+    def paged_attention(*args, **options):
         calls["paged_attention"].append(args[-1])
-        return ref.paged_attention(*args)
+        return ref.paged_attention(*args, **options)
 
     def rotary_embedding(*args):
         calls["rotary_embedding"].append(args[-1])

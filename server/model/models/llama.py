@@ -271,23 +271,41 @@ class LlamaAttention(nn.Module):
         # The step's prepared rotary rows are the model's main table's; a local table is looked up here.
         own_table = self.sliding and self.local_rope
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache, None if own_table else meta.prepared)
-        key_cache, value_cache = kv_cache
-        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            self.scale,
-            meta.max_query_len,
-            meta.max_seq_len,
-            meta.prepared,
-            sliding_window=self.window,
-            logits_soft_cap=self.softcap,
-        )
+        out = cached_attention(self.ops, q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+
+
+def cached_attention(
+    ops: KernelBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """One layer's attention over the paged KV cache: the step's keys and values written into the
+    layer's cache at the slot mapping, then the queries attend over it (the kernel contract's
+    `reshape_and_cache` and `paged_attention`). q: `[num_tokens, num_heads, head_dim]`; k, v:
+    `[num_tokens, num_kv_heads, head_dim]`. Returns q's shape and dtype."""
+    key_cache, value_cache = kv_cache
+    ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    return ops.paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.prepared,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
 
 
 class LlamaMLP(nn.Module):

@@ -27,7 +27,7 @@ from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels.reference import rope_cos_sin_cache
-from conveyor.server.model.models.llama import sliding_layers
+from conveyor.server.model.models.llama import cached_attention, sliding_layers
 from conveyor.server.model.parallel import TensorParallel, partition
 
 logger = logging.getLogger(__name__)
@@ -103,23 +103,10 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
-    key_cache, value_cache = step.kv_caches[module.layer_idx]
-    meta = step.meta
-    step.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-    out = step.ops.paged_attention(
-        q,
-        key_cache,
-        value_cache,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.seq_lens,
-        scaling if scaling is not None else q.shape[-1] ** -0.5,
-        meta.max_query_len,
-        meta.max_seq_len,
-        meta.prepared,
-        sliding_window=kwargs.get("sliding_window"),
-        logits_soft_cap=kwargs.get("softcap"),
-    )
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    kv_cache = step.kv_caches[module.layer_idx]
+    window, cap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    out = cached_attention(step.ops, q, k, v, kv_cache, step.meta, scale, window, cap)
     return out[None], None
 
 
