@@ -117,7 +117,7 @@ def _register() -> None:
 
 
 class TransformersForCausalLM(nn.Module):
-    """transformers' model of `config` behind the interface the runner uses (`embed`, `forward`,
+    """transformers' model of `config` behind the interface the runner uses (`forward`,
     `compute_logits`, `shape`, `partition`, `tp`, `cos_sin_cache`).
 
     hf_model: an `AutoModelForCausalLM` loaded with `attn_implementation=ATTENTION_NAME`.
@@ -156,9 +156,6 @@ class TransformersForCausalLM(nn.Module):
             ).to(device)
         logger.info("--model-impl transformers: %s", type(hf).__name__)
         return cls(hf.eval(), ops)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hf.get_input_embeddings()(input_ids)
 
     def forward(
         self,
