@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conveyor.server.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.server.engine.builder import build_engine
 from tests.conformance import assert_greedy_equals_transformers
 
@@ -120,7 +120,8 @@ def tokenizer():
         "gemma3",
     ],
 )
-def test_random_model_from_a_local_directory_matches_transformers(kind, tokenizer, tmp_path):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])  # the C++ kernels, and the torch reference
+def test_random_model_from_a_local_directory_matches_transformers(kind, backend, tokenizer, tmp_path):
     import transformers
 
     config = _config(kind)
@@ -154,6 +155,7 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, tokenize
             model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512),
             cache=CacheConfig(kv_cache_memory=1 << 24),
             scheduler=SchedulerConfig(max_num_batched_tokens=32),
+            device=DeviceConfig(device="cpu", attention_backend=backend),
         )
     )
     assert engine.served_model_name == tmp_path.name
