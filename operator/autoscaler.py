@@ -212,6 +212,12 @@ def recommend(
     return min(max(raw, low), high), ratio, reason, True
 
 
+def _limited(change: int, rules: str) -> str:
+    """The decision message's note on a rate limit: `limited to +2 by ...`, or `held by ...` when the
+    rules allow no change now."""
+    return f"; held by {rules}" if change == 0 else f"; limited to {change:+d} by {rules}"
+
+
 def _reason(
     spec: AutoscalingSpec,
     current: int,
@@ -291,7 +297,7 @@ def decide(
             else max(_scale_up_limit(current, history.scale_events, up_rules, now_seconds), current)
         )
         if replicas > limit:
-            replicas, limited = limit, f"; limited to +{limit - current} by behavior.scaleUp"
+            replicas, limited = limit, _limited(limit - current, "behavior.scaleUp")
     elif replicas < current:
         limit = (
             current
@@ -300,7 +306,7 @@ def decide(
         )
         limit = max(limit, spec.min_replicas)
         if replicas < limit:
-            replicas, limited = limit, f"; limited to -{current - limit} by behavior.scaleDown"
+            replicas, limited = limit, _limited(limit - current, "behavior.scaleDown")
 
     reason = _reason(spec, current, replicas, recommended, stabilized, ratio, reason)
     ratio_text = f", ratio {ratio:.2f}" if ratio is not None else ""

@@ -109,6 +109,7 @@ def test_scale_up_is_immediate_and_scale_down_waits_for_the_window() -> None:
     assert "limited to -1 by behavior.scaleDown" in decision.message
     decision, history = step(s, 3, Observation(0.1, 0, 1.0), history, now=340)
     assert (decision.replicas, decision.reason) == (3, "ScaleDownLimited")
+    assert "held by behavior.scaleDown" in decision.message  # not "limited to -0"
     decision, history = step(s, 3, Observation(0.1, 0, 1.0), history, now=347)
     assert decision.replicas == 2
     assert all(347 - r.at_seconds <= 300 for r in history.recommendations)
