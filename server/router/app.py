@@ -127,17 +127,23 @@ class Router:
                 hashes_by_size[size] = block_hashes(token_ids, size) if token_ids else []
             return hashes_by_size[size]
 
+        def reusable(endpoint: Endpoint) -> list[bytes]:
+            """The blocks a replica can skip: never the one holding the prompt's last token, which the
+            engine always computes for its logits (`KVCacheManager.get_computed_blocks`)."""
+            size = endpoint.block_size or self.config.block_size
+            return hashes(endpoint)[: (len(token_ids) - 1) // size] if token_ids else []
+
         use_prefix = self.config.policy == "prefix-aware" and token_ids is not None
         held = False
         try:
             while True:
                 endpoints = list(self.pool.endpoints.values())
-                matched = {e.url: e.index.match(hashes(e)) if use_prefix else 0 for e in endpoints}
+                matched = {e.url: e.index.match(reusable(e)) if use_prefix else 0 for e in endpoints}
                 decision = pick(
                     [e.candidate(matched[e.url]) for e in endpoints],
                     self.config.policy,
                     self.weights,
-                    prompt_blocks=max((len(hashes(e)) for e in endpoints), default=0) if use_prefix else 0,
+                    prompt_blocks=max((len(reusable(e)) for e in endpoints), default=0) if use_prefix else 0,
                     load_gate=self.config.load_gate,
                     max_waiting=self.config.max_waiting_per_endpoint,
                     rng=self.rng,
