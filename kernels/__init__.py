@@ -69,7 +69,7 @@ class KernelBackend(Protocol):
         self,
         meta: AttentionMetadata,
         positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor | None,
         block_size: int,
         num_kv_heads: int,
     ) -> Any: ...

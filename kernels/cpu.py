@@ -181,7 +181,7 @@ class MixedStep:
 def prepare_metadata(
     meta: AttentionMetadata,
     positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
+    cos_sin_cache: torch.Tensor | None,
     block_size: int,
     num_kv_heads: int,
 ) -> MixedStep | None:

@@ -112,18 +112,18 @@ class PreparedStep:
     """What the torch kernels derive from one step's metadata (`prepare_metadata`), shared by every layer.
 
     attention: the step's `AttentionLayout`. rope_cos, rope_sin: `[num_tokens, 1, head_dim / 2]` float32,
-    the rotary table's rows at the step's positions.
+    the rotary table's rows at the step's positions (None for a model that rotates itself).
     """
 
     attention: AttentionLayout
-    rope_cos: torch.Tensor
-    rope_sin: torch.Tensor
+    rope_cos: torch.Tensor | None
+    rope_sin: torch.Tensor | None
 
 
 def prepare_metadata(
     meta: AttentionMetadata,
     positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
+    cos_sin_cache: torch.Tensor | None,
     block_size: int,
     num_kv_heads: int,
 ) -> PreparedStep:
@@ -131,11 +131,14 @@ def prepare_metadata(
     step by the model runner (host syncs, gather indices, masks, rotary rows) instead of once per layer.
 
     meta: the step's AttentionMetadata; positions: `[num_tokens]` int64; cos_sin_cache: the model's
-    rotary table (`rope_cos_sin_cache`); block_size, num_kv_heads: of this rank's KV cache.
+    rotary table (`rope_cos_sin_cache`; None for a model that rotates itself, e.g. transformers' own);
+    block_size, num_kv_heads: of this rank's KV cache.
     """
     layout = attention_layout(
         meta.block_tables, meta.query_start_loc, meta.seq_lens, block_size, num_kv_heads
     )
+    if cos_sin_cache is None:
+        return PreparedStep(layout, None, None)
     return PreparedStep(layout, *_rope_tables(positions, cos_sin_cache))
 
 

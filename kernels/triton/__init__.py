@@ -19,7 +19,7 @@ from conveyor.kernels.triton.silu_and_mul import silu_and_mul
 def prepare_metadata(
     meta: AttentionMetadata,
     positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
+    cos_sin_cache: torch.Tensor | None,
     block_size: int,
     num_kv_heads: int,
 ) -> None:

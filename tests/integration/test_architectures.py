@@ -191,7 +191,8 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(monkeypa
 
 
 @pytest.mark.parametrize("kind", ["olmo2", "gpt2", "llama"])
-def test_transformers_implementation_matches_transformers(kind, tokenizer, tmp_path, caplog):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_transformers_implementation_matches_transformers(kind, backend, tokenizer, tmp_path, caplog):
     """`--model-impl transformers`: transformers' own model on conveyor's paged KV cache, scheduler and
     sampler. OLMo 2 (q/k norms over all heads, norms after each block) and GPT-2 (learned absolute
     positions) have no native code, so `auto` picks transformers for them; Llama is forced."""
@@ -218,6 +219,7 @@ def test_transformers_implementation_matches_transformers(kind, tokenizer, tmp_p
                 model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512, model_impl=impl),
                 cache=CacheConfig(kv_cache_memory=1 << 24),
                 scheduler=SchedulerConfig(max_num_batched_tokens=32),
+                device=DeviceConfig(device="cpu", attention_backend=backend),
             )
         )
     assert "model implementation transformers" in caplog.text

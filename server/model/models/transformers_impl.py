@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.kernels.reference import rope_cos_sin_cache
 from conveyor.server.model.models.llama import cached_attention, sliding_layers
 from conveyor.server.model.parallel import TensorParallel, partition
 
@@ -118,7 +117,7 @@ def _register() -> None:
 
 class TransformersForCausalLM(nn.Module):
     """transformers' model of `config` behind the interface the runner uses (`forward`,
-    `compute_logits`, `shape`, `partition`, `tp`, `cos_sin_cache`).
+    `compute_logits`, `shape`, `partition`, `tp`; `cos_sin_cache` None: the model rotates itself).
 
     hf_model: an `AutoModelForCausalLM` loaded with `attn_implementation=ATTENTION_NAME`.
     """
@@ -131,12 +130,7 @@ class TransformersForCausalLM(nn.Module):
         self.tp = TensorParallel()
         shape = self.shape
         self.partition = partition(shape.num_heads, shape.num_kv_heads, 0, shape.vocab_size, 0, 1)
-        # The kernels' prepared metadata looks rotary rows up in a table; the model rotates itself.
-        self.register_buffer(
-            "cos_sin_cache",
-            rope_cos_sin_cache(shape.head_dim, shape.max_position_embeddings, 10000.0),
-            persistent=False,
-        )
+        self.cos_sin_cache = None  # the model rotates q and k itself
 
     @classmethod
     def load(
