@@ -166,22 +166,19 @@ def select_backend(name: str, device_type: str) -> tuple[str, KernelBackend]:
 def pack_weights(
     model: torch.nn.Module, backend: KernelBackend, dtype: torch.dtype, device: torch.device
 ) -> str:
-    """Lay out `model`'s linear weights once for this backend's matmuls, in place, after the weights are
-    final (loaded, cast, sharded). Returns what was done, for the start-up log.
+    """Lay out `model`'s linear weights once for the matmuls that will run them, in place, after the
+    weights are final (loaded, cast, sharded). Returns what was done, for the start-up log.
 
-    On a CPU: with the C++ backend its panel kernel (`cpu.CPULinear`) takes float32 weights, and
-    bfloat16 ones where the CPU has AVX512_BF16's dot product; otherwise oneDNN's packed layout
-    (`onednn.PackedLinear`) where it applies. Elsewhere (CUDA, float16) the weights stay as they are.
-    Raises `cpu.CPUKernelBuildError` when the C++ kernels cannot be built.
+    On a CPU in float32 or bfloat16 each layer gets the kernels `selection.select_linear_kernels`
+    measured fastest for its shape at each row count (the C++ panel kernel only with the C++ backend).
+    Elsewhere (CUDA, float16) the weights stay as they are. Raises `cpu.CPUKernelBuildError` when the
+    C++ kernels cannot be built; ValueError for a bad `CONVEYOR_CPU_KERNELS`.
     """
-    from conveyor.kernels import cpu, onednn
+    from conveyor.kernels import cpu, selection
 
     name = str(dtype).removeprefix("torch.")
-    panel = device.type == "cpu" and backend is cpu
-    if panel and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul_supported())):
-        counts = cpu.pack_linear_layers(model)
-        held = ", ".join(f"{count} with {weight} weights" for weight, count in sorted(counts.items()))
-        return f"CPU matmuls: {sum(counts.values())} linear layers in the C++ {name} kernel ({held})"
-    if onednn.packing_supported(dtype, device):
-        return f"CPU matmuls: {onednn.pack_linear_layers(model)} linear layers pre-packed for oneDNN ({name})"
-    return f"matmuls: {name} weights as loaded"
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return f"matmuls: {name} weights as loaded"
+    tables = selection.select_linear_kernels(model, dtype, panel=backend is cpu)
+    used = sorted({kernel for table in tables.values() for kernel in table.names()})
+    return f"CPU matmuls ({name}): {len(tables)} layer shapes, each with its fastest kernel per row count ({', '.join(used)})"

@@ -17,6 +17,7 @@ where the reference rounds them, and the attention accumulates in float32.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import os
@@ -33,7 +34,6 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata
-from conveyor.kernels.onednn import replace_linear_layers
 from conveyor.kernels.reference import check_window_and_soft_cap, prefill_attention
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class CPULinear(nn.Module):
     panels of row pairs for AVX512_BF16's dot product (`bf16_matmul_supported`); x and the result are
     bfloat16, each output rounded once from float32 sums, as oneDNN's bfloat16 matmul. Only the order
     of the sums differs from a BLAS. The packed weight has no `state_dict` entry; build the module
-    after the weights are final (see `pack_linear_layers`). Raises RuntimeError for other dtypes.
+    after the weights are final (see `conveyor.kernels.selection`). Raises RuntimeError for other dtypes.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -318,30 +318,19 @@ def bf16_matmul_supported() -> bool:
     return bool(torch.ops.conveyor_linear.bf16_dot())
 
 
-def pack_linear_layers(model: nn.Module) -> dict[str, int]:
-    """Replace every float32 `nn.Linear` of `model` by a `CPULinear`, and every bfloat16 one where
-    `bf16_matmul_supported()`, in place (a tied LM head gets its own copy). Returns how many hold each
-    weight dtype, e.g. `{"bfloat16": 121}`. Raises CPUKernelBuildError when the library cannot be
-    built."""
-    dtypes = {torch.float32, torch.bfloat16} if bf16_matmul_supported() else {torch.float32}
-    replace_linear_layers(model, CPULinear, lambda linear: linear.weight.dtype in dtypes)
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, CPULinear):
-            name = str(module.weight_dtype).removeprefix("torch.")
-            counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 # The kinds of linear layer the layer loop calls (csrc/decoder.cpp's LinearKind).
 LINEAR_PLAIN, LINEAR_ONEDNN, LINEAR_PANEL = 0, 1, 2
 
 
-def linear_kind(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
-    """(weight, bias, kind, out_features) of a linear layer as `decoder_layers` takes it: an
-    `nn.Linear`, a oneDNN `PackedLinear` or a `CPULinear`. Raises TypeError for anything else."""
+def linear_kind(module: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """(weight, bias, kind, out_features) of a linear layer as `decoder_layers` takes it for a step of
+    `rows` rows: an `nn.Linear`, a oneDNN `PackedLinear`, a `CPULinear`, or the one of those a
+    `selection.SelectedLinear` runs at that row count. Raises TypeError for anything else."""
     from conveyor.kernels.onednn import PackedLinear
+    from conveyor.kernels.selection import SelectedLinear
 
+    if isinstance(module, SelectedLinear):
+        module = module.kernel_for(rows)
     if isinstance(module, CPULinear):
         return module.packed_weight, module.bias, LINEAR_PANEL, module.out_features
     if isinstance(module, PackedLinear):
@@ -352,32 +341,81 @@ def linear_kind(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, i
     raise TypeError(f"the layer loop cannot call a {type(module).__name__} as a linear layer")
 
 
+@dataclass(frozen=True)
+class DecoderSpec:
+    """A decoder as the C++ layer loop takes it (a model's `decoder_spec()`), weights by reference.
+
+    norm_weights: per layer the input and post-attention RMSNorm weights, and with `norms_per_layer` 4
+    (Gemma 2/3's sandwich norms) the pre- and post-feedforward ones, then the final norm's
+    (`norms_per_layer * num_layers + 1`; Gemma's `1 + w` folded in at load). qk_norm_weights: per layer
+    the per-head q and k norms (Qwen3, Gemma 3), or empty. linears: per layer q/k/v, o, gate/up and
+    down (`4 * num_layers`, see `linear_kind`). scale: the attention scale. sliding_windows: per layer
+    the tokens it attends to, 0 for all; sliding layers rotate with `local_cos_sin_cache` where there is
+    one. logits_soft_cap: attention scores become `cap * tanh(s / cap)`. residual_multiplier: Granite's
+    factor on each branch. activation: the gated MLP's, `silu` or `gelu_tanh`.
+    """
+
+    norm_weights: list[torch.Tensor]
+    norms_per_layer: int
+    qk_norm_weights: list[torch.Tensor]
+    linears: list[nn.Module]
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    scale: float
+    sliding_windows: list[int]
+    local_cos_sin_cache: torch.Tensor | None = None
+    logits_soft_cap: float | None = None
+    residual_multiplier: float = 1.0
+    activation: str = "silu"
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # csrc/decoder.cpp's Activation
+
+
 class DecoderLayers:
     """A decoder's whole layer loop for one step as one C++ call (`csrc/decoder.cpp`): the same kernels
     in the same order as the model's Python layers, without a Python dispatch per op.
 
-    norm_weights: per layer the input and post-attention RMSNorm weights, then the final norm's
-    (`2 * num_layers + 1`); linears: per layer q/k/v, o, gate/up and down (`4 * num_layers`, see
-    `linear_kind`). Built once after the weights are final (packed); holds references, not copies.
+    Built once from a `DecoderSpec` after the weights are final (packed); holds references, not copies.
+    Where a layer's kernel depends on the step's row count (`selection.SelectedLinear`), each range of
+    row counts gets its own list of kernels, made on first use. Steps with prefill rows of a model with
+    sliding windows or soft caps are not its to run (`runs`). Raises TypeError for a linear layer it
+    cannot call, ValueError for an activation it does not compute.
     """
 
-    def __init__(
-        self,
-        norm_weights: list[torch.Tensor],
-        linears: list[nn.Module],
-        num_heads: int,
-        num_kv_heads: int,
-        eps: float,
-        scale: float,
-    ) -> None:
+    def __init__(self, spec: DecoderSpec) -> None:
+        from conveyor.kernels.selection import SelectedLinear
+
         load_library()
-        parts = [linear_kind(module) for module in linears]
-        self.norm_weights = [w.detach() for w in norm_weights]
-        self.weights = [p[0] for p in parts]
-        self.biases = [p[1] for p in parts]
-        self.kinds = [p[2] for p in parts]
-        self.out_features = [p[3] for p in parts]
-        self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
+        if spec.activation not in ACTIVATIONS:
+            raise ValueError(f"the layer loop computes {sorted(ACTIVATIONS)}, not {spec.activation!r}")
+        self.spec = spec
+        self.linears = spec.linears
+        self.norm_weights = [w.detach() for w in spec.norm_weights]
+        self.qk_norm_weights = [w.detach() for w in spec.qk_norm_weights]
+        # Masked and soft-capped prefill attention is the reference's; the C++ loop decodes them.
+        self.decode_only = any(spec.sliding_windows) or spec.logits_soft_cap is not None
+        # Row counts where some layer changes kernel: the steps between two of them share one list.
+        self._bounds = sorted(
+            {first for m in spec.linears if isinstance(m, SelectedLinear) for first, _ in m.dispatch.ranges}
+            | {1}
+        )
+        self._parts: dict[int, tuple[list, list, list, list]] = {}
+        self._linears_for(1)  # a layer the loop cannot call is refused here, not at the first step
+
+    def runs(self, max_query_len: int) -> bool:
+        """True when a step whose longest query has `max_query_len` rows runs here (else the Python
+        layers run it)."""
+        return max_query_len == 1 or not self.decode_only
+
+    def _linears_for(self, rows: int) -> tuple[list, list, list, list]:
+        """(weights, biases, kinds, out_features) of every linear layer for a step of `rows` rows."""
+        first = self._bounds[max(0, bisect.bisect_right(self._bounds, rows) - 1)]
+        if first not in self._parts:
+            parts = [linear_kind(module, first) for module in self.linears]
+            self._parts[first] = tuple([p[i] for p in parts] for i in range(4))  # type: ignore[assignment]
+        return self._parts[first]
 
     def __call__(
         self,
@@ -392,23 +430,32 @@ class DecoderLayers:
     ) -> torch.Tensor:
         """hidden: `[num_tokens, hidden_size]` embedded tokens -> the final norm's output, same shape and
         dtype. Metadata as `conveyor.kernels.AttentionMetadata`."""
+        weights, biases, kinds, out_features = self._linears_for(hidden.shape[0])
+        spec = self.spec
         return torch.ops.conveyor_decoder.decoder_layers(
             hidden,
             positions,
             cos_sin_cache,
+            spec.local_cos_sin_cache,
             self.norm_weights,
-            self.weights,
-            self.biases,
-            self.kinds,
-            self.out_features,
+            spec.norms_per_layer,
+            self.qk_norm_weights,
+            weights,
+            biases,
+            kinds,
+            out_features,
             [k for k, _ in kv_caches],
             [v for _, v in kv_caches],
             slot_mapping,
             block_tables,
             query_start_loc,
             seq_lens,
-            self.num_heads,
-            self.num_kv_heads,
-            self.eps,
-            self.scale,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.eps,
+            spec.scale,
+            spec.sliding_windows,
+            spec.logits_soft_cap,
+            spec.residual_multiplier,
+            ACTIVATIONS[spec.activation],
         )

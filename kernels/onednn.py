@@ -16,8 +16,6 @@ this path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -46,7 +44,7 @@ class PackedLinear(nn.Module):
 
     x: `[num_tokens, in_features]` -> `[num_tokens, out_features]`, float32 or bfloat16 as the weight. The packed weight
     is an opaque oneDNN tensor: it has no `state_dict` entry and cannot be moved or cast; build the
-    module after the weights are final (see `pack_linear_layers`).
+    module after the weights are final (see `conveyor.kernels.selection`).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -63,28 +61,3 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
-
-
-def replace_linear_layers(
-    model: nn.Module,
-    make: Callable[[nn.Linear], nn.Module],
-    when: Callable[[nn.Linear], bool] = lambda linear: True,
-) -> int:
-    """Replace each `nn.Linear` of `model` for which `when` holds by `make(linear)`, in place. Returns
-    how many were replaced. A tied LM head gets its own copy (the embedding keeps the plain weight for
-    its lookups)."""
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and when(module)
-    ]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, make(linear))
-    return len(targets)
-
-
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` by a `PackedLinear`, in place. Returns how many were packed."""
-    return replace_linear_layers(model, PackedLinear)

@@ -1,7 +1,10 @@
-"""A two-layer Llama of random weights on the reference kernels, and its logits for one prompt: the
+"""A two-layer Llama of random weights (any of the decoder's features switched on) on the reference kernels, and its logits for one prompt: the
 fixture the linear-layer packing tests compare packed and plain models on."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 
@@ -12,9 +15,10 @@ from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
 NUM_KV_HEADS, HEAD_DIM = 2, 16
 
 
-def tiny_llama(tie: bool, dtype: torch.dtype, ops: KernelBackend = ref) -> LlamaForCausalLM:
+def tiny_llama(tie: bool, dtype: torch.dtype, ops: KernelBackend = ref, **features: Any) -> LlamaForCausalLM:
     """Weights from seed 0, so two calls build the same model; parameters cast to `dtype`; `ops` the
-    kernel backend (default the torch reference)."""
+    kernel backend (default the torch reference); `features`: `ModelShape` fields to switch on (qk_norm,
+    sandwich_norms, sliding_window with sliding_layers, ...)."""
     shape = ModelShape(
         vocab_size=300,
         hidden_size=64,
@@ -30,6 +34,7 @@ def tiny_llama(tie: bool, dtype: torch.dtype, ops: KernelBackend = ref) -> Llama
         tie_word_embeddings=tie,
         attention_bias=True,
     )
+    shape = dataclasses.replace(shape, **features)
     torch.manual_seed(0)
     model = LlamaForCausalLM(shape, ops)
     for param in model.parameters():

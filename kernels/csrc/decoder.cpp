@@ -1,6 +1,8 @@
 // The decoder's layer loop for CPUs in one op (conveyor.kernels.cpu.DecoderLayers): every layer of a
-// Llama-family model for one step, the same kernels in the same order as the model's Python forward
-// (conveyor.server.model.models.llama), called from C++.
+// model of conveyor.server.model.models.llama for one step, the same kernels in the same order as its
+// Python forward, called from C++, with the features the Python layers switch on: per-head RMSNorm of q
+// and k (Qwen3, Gemma 3), sandwich norms and GeGLU (Gemma 2/3), Granite's residual multiplier, sliding
+// windows and a local rotary table per layer, and attention soft-capping.
 //
 // Why: at decode batch sizes a layer is about sixteen small ops, and from Python each costs its
 // dispatch (argument parsing, the boxed call of a custom op, a Python frame per module). Here the ops
@@ -8,6 +10,10 @@
 // path) and the step's attention layout (which rows decode, which sequences prefill) is read once, not
 // per layer. On 2 cores it took a bfloat16 step of the embedded model from 40.5 to 39.3 ms (the
 // profiler had put the Python between ops at 6 ms; most of that was its own cost).
+//
+// Prefill rows attend through torch's flash-attention kernel (causal or with a chunk's mask). A step
+// with prefill rows of a model with sliding windows or soft caps is not run here: the Python layers run
+// it (conveyor.kernels.reference.prefill_attention's masked and soft-capped paths); its decode steps are.
 //
 // Linear layers come in three kinds, as conveyor.kernels.cpu.linear_kind names them: a plain weight
 // (`at::linear`), a oneDNN-packed weight (`mkldnn::_linear_pointwise`, kernels/onednn.py) and this
@@ -18,6 +24,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -30,6 +37,7 @@ namespace {
 using at::Tensor;
 
 enum LinearKind : int64_t { kPlain = 0, kOneDNN = 1, kPanel = 2 };
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, int64_t kind,
               int64_t out_features) {
@@ -125,54 +133,93 @@ void prefill_attention(const Tensor& out, const Tensor& query, const Tensor& key
   }
 }
 
+// The gated MLP's activation: SiLU(gate) * up with the C++ kernel, or tanh-GELU(gate) * up in ATen,
+// as conveyor.server.model.models.llama.LlamaMLP computes them.
+Tensor gated_activation(const Tensor& gate_up, int64_t activation) {
+  if (activation == kSilu) {
+    return conveyor::cpu::silu_and_mul(gate_up);
+  }
+  TORCH_CHECK(activation == kGeluTanh, "unknown activation ", activation);
+  const auto halves = gate_up.chunk(2, -1);
+  return at::gelu(halves[0], "tanh") * halves[1];
+}
+
 // hidden: `[num_tokens, hidden_size]`, the embedded tokens. Returns the final RMSNorm of the last layer's
-// residual stream, `[num_tokens, hidden_size]` in hidden's dtype. Per layer l: norm_weights[2l] (input),
-// [2l + 1] (post-attention), and the last one the final norm; linears[4l + 0..3] q/k/v, o, gate/up,
-// down. Raises the kernels' errors (a position outside the rotary table, a slot outside the cache).
+// residual stream, `[num_tokens, hidden_size]` in hidden's dtype.
+//
+// Per layer l: norm_weights[npl * l + 0..npl-1] with npl = norms_per_layer: input, post-attention, and
+// with 4 the pre- and post-feedforward norms (sandwich norms); the last one is the final norm.
+// qk_norm_weights: [2l] q's and [2l + 1] k's per-head norm, or none. linears[4l + 0..3]: q/k/v, o,
+// gate/up, down. sliding_windows[l]: the tokens layer l attends to, 0 for the whole sequence; such a
+// layer rotates with local_cos_sin_cache where one is given. logits_soft_cap: attention scores become
+// cap * tanh(s / cap). residual_multiplier scales each branch before it joins the residual stream
+// (without sandwich norms). activation: kSilu or kGeluTanh.
+//
+// Raises the kernels' errors (a position outside the rotary table, a slot outside the cache), and an
+// error for a step with prefill rows when a layer slides or scores are soft-capped.
 Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tensor& cos_sin_cache,
-                      at::TensorList norm_weights, at::TensorList linear_weights,
+                      const std::optional<Tensor>& local_cos_sin_cache, at::TensorList norm_weights,
+                      int64_t norms_per_layer, at::TensorList qk_norm_weights, at::TensorList linear_weights,
                       const c10::List<std::optional<Tensor>>& linear_biases, at::IntArrayRef linear_kinds,
                       at::IntArrayRef linear_out_features, at::TensorList key_caches,
                       at::TensorList value_caches, const Tensor& slot_mapping, const Tensor& block_tables,
                       const Tensor& query_start_loc, const Tensor& seq_lens, int64_t num_heads,
-                      int64_t num_kv_heads, double eps, double scale) {
+                      int64_t num_kv_heads, double eps, double scale, at::IntArrayRef sliding_windows,
+                      std::optional<double> logits_soft_cap, double residual_multiplier, int64_t activation) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
-  TORCH_CHECK(value_caches.size() == key_caches.size() &&
-                  static_cast<int64_t>(norm_weights.size()) == 2 * num_layers + 1 &&
-                  static_cast<int64_t>(linear_weights.size()) == 4 * num_layers &&
-                  static_cast<int64_t>(linear_biases.size()) == 4 * num_layers &&
-                  static_cast<int64_t>(linear_kinds.size()) == 4 * num_layers &&
-                  static_cast<int64_t>(linear_out_features.size()) == 4 * num_layers,
-              "decoder_layers needs 2 norms and 4 linear layers per layer, a final norm, and one KV cache "
-              "pair per layer");
+  const int64_t npl = norms_per_layer;
+  const auto count = [](auto list) { return static_cast<int64_t>(list.size()); };
+  TORCH_CHECK((npl == 2 || npl == 4) && count(value_caches) == num_layers &&
+                  count(norm_weights) == npl * num_layers + 1 &&
+                  (qk_norm_weights.empty() || count(qk_norm_weights) == 2 * num_layers) &&
+                  count(linear_weights) == 4 * num_layers && count(linear_biases) == 4 * num_layers &&
+                  count(linear_kinds) == 4 * num_layers && count(linear_out_features) == 4 * num_layers &&
+                  count(sliding_windows) == num_layers,
+              "decoder_layers needs 2 or 4 norms, 4 linear layers, a window and one KV cache pair per layer, "
+              "a final norm, and q/k norms for every layer or none");
   const int64_t num_tokens = hidden.size(0);
   const int64_t head_dim = key_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const StepLayout layout = step_layout(query_start_loc);
+  const bool windows = std::any_of(sliding_windows.begin(), sliding_windows.end(), [](int64_t w) { return w > 0; });
+  TORCH_CHECK(layout.all_decode || (!windows && !logits_soft_cap.has_value()),
+              "a step with prefill rows of a model with sliding windows or soft caps runs the Python layers");
   const Tensor tables = block_tables.contiguous();
   auto proj = [&](const Tensor& x, int64_t i) {
     return linear(x, linear_weights[i], linear_biases.get(i), linear_kinds[i], linear_out_features[i]);
   };
+  auto head_norm = [&](const Tensor& x, int64_t i, int64_t heads) {
+    return conveyor::cpu::rms_norm(x.reshape({-1, head_dim}), qk_norm_weights[i], eps)
+        .view({num_tokens, heads, head_dim});
+  };
 
   Tensor x = hidden, residual;
   for (int64_t l = 0; l < num_layers; ++l) {
+    const Tensor* norm = &norm_weights[npl * l];
     Tensor normed;
     if (l == 0) {
-      normed = conveyor::cpu::rms_norm(x, norm_weights[0], eps);
+      normed = conveyor::cpu::rms_norm(x, norm[0], eps);
       residual = x;
     } else {
-      std::tie(normed, residual) = conveyor::cpu::fused_add_rms_norm(x, residual, norm_weights[2 * l], eps);
+      std::tie(normed, residual) = conveyor::cpu::fused_add_rms_norm(x, residual, norm[0], eps);
     }
     const Tensor qkv = proj(normed, 4 * l);
     Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim});
     Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
-    std::tie(q, k) = conveyor::cpu::rotary_embedding(positions, q, k, cos_sin_cache);
+    if (!qk_norm_weights.empty()) {
+      q = head_norm(q, 2 * l, num_heads);
+      k = head_norm(k, 2 * l + 1, num_kv_heads);
+    }
+    const int64_t window = sliding_windows[l];
+    const bool local = window > 0 && local_cos_sin_cache.has_value() && local_cos_sin_cache->defined();
+    std::tie(q, k) = conveyor::cpu::rotary_embedding(positions, q, k, local ? *local_cos_sin_cache : cos_sin_cache);
     conveyor::cpu::reshape_and_cache(k, v, key_caches[l], value_caches[l], slot_mapping);
     const Tensor attn = at::empty(q.sizes(), q.options());
+    const std::optional<int64_t> layer_window = window > 0 ? std::optional<int64_t>(window) : std::nullopt;
     if (layout.all_decode) {
       conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens,
-                                            std::nullopt, std::nullopt, scale, std::nullopt, std::nullopt);
+                                            std::nullopt, std::nullopt, scale, layer_window, logits_soft_cap);
     } else {
       if (layout.decode_seqs.numel() > 0) {
         conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens,
@@ -181,21 +228,36 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
       }
       prefill_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens, layout, scale);
     }
-    const Tensor o = proj(attn.view({num_tokens, q_size}), 4 * l + 1);
-    std::tie(normed, residual) = conveyor::cpu::fused_add_rms_norm(o, residual, norm_weights[2 * l + 1], eps);
-    x = proj(conveyor::cpu::silu_and_mul(proj(normed, 4 * l + 2)), 4 * l + 3);
+    Tensor o = proj(attn.view({num_tokens, q_size}), 4 * l + 1);
+    if (npl == 4) {  // Gemma 2/3: the branch is normed before it joins, and the MLP's output too
+      std::tie(normed, residual) =
+          conveyor::cpu::fused_add_rms_norm(conveyor::cpu::rms_norm(o, norm[1], eps), residual, norm[2], eps);
+      x = conveyor::cpu::rms_norm(proj(gated_activation(proj(normed, 4 * l + 2), activation), 4 * l + 3),
+                                  norm[3], eps);
+      continue;
+    }
+    if (residual_multiplier != 1.0) {  // Granite
+      o = o * residual_multiplier;
+    }
+    std::tie(normed, residual) = conveyor::cpu::fused_add_rms_norm(o, residual, norm[1], eps);
+    x = proj(gated_activation(proj(normed, 4 * l + 2), activation), 4 * l + 3);
+    if (residual_multiplier != 1.0) {
+      x = x * residual_multiplier;
+    }
   }
-  return std::get<0>(conveyor::cpu::fused_add_rms_norm(x, residual, norm_weights[2 * num_layers], eps));
+  return std::get<0>(
+      conveyor::cpu::fused_add_rms_norm(x, residual, norm_weights[npl * num_layers], eps));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(conveyor_decoder, m) {
   m.def(
-      "decoder_layers(Tensor hidden, Tensor positions, Tensor cos_sin_cache, Tensor[] norm_weights, "
-      "Tensor[] linear_weights, Tensor?[] linear_biases, int[] linear_kinds, int[] linear_out_features, "
-      "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale) "
-      "-> Tensor",
+      "decoder_layers(Tensor hidden, Tensor positions, Tensor cos_sin_cache, Tensor? local_cos_sin_cache, "
+      "Tensor[] norm_weights, int norms_per_layer, Tensor[] qk_norm_weights, Tensor[] linear_weights, "
+      "Tensor?[] linear_biases, int[] linear_kinds, int[] linear_out_features, Tensor(a!)[] key_caches, "
+      "Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
+      "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, int[] sliding_windows, "
+      "float? logits_soft_cap, float residual_multiplier, int activation) -> Tensor",
       &decoder_layers);
 }

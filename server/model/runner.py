@@ -65,9 +65,10 @@ class ModelRunner:
     heads); rank 0's runner also has `workers` (the other ranks, `conveyor.server.model.worker`), which
     it tells to allocate and run each step with it.
 
-    The forward pass: with the C++ CPU backend on one rank the whole layer loop runs as one C++ call
-    (`kernels.cpu.DecoderLayers`, `layer_loop`), since that measured 1.04-1.28x faster end to end than
-    the Python layers (fewer dispatches; most at small batches); elsewhere the model's own layers run.
+    The forward pass: with the C++ CPU backend on one rank the whole layer loop of the native decoder
+    runs as one C++ call (`kernels.cpu.DecoderLayers`, `layer_loop`), since that measured 1.04-1.28x
+    faster end to end than the Python layers (fewer dispatches; most at small batches); the Python
+    layers run elsewhere, and for steps with prefill rows of models with sliding windows or soft caps.
     Both compute the same thing: a change to the model's layers must be made to `kernels/csrc/decoder.cpp`
     too (tests/integration/test_kernels_decoder.py compares them).
     """
@@ -183,7 +184,7 @@ class ModelRunner:
                 max_seq_len=meta.max_seq_len,
             )
         input_ids = inputs.input_ids.to(dev)
-        if self.layer_loop is not None:  # reads the metadata tensors itself
+        if self.layer_loop is not None and self.layer_loop.runs(meta.max_query_len):  # reads the metadata
             hidden = self.layer_loop(
                 self.model.embed(input_ids),
                 positions,
@@ -249,15 +250,13 @@ def fused_layer_loop(
     model: LlamaForCausalLM, ops: KernelBackend, device: torch.device
 ) -> DecoderLayers | None:
     """The C++ layer loop over `model`'s (packed) weights where it runs: the C++ CPU backend, a CPU
-    device, one rank, and Llama's own layers (`ModelShape.plain_llama`: no qk-norm, no multipliers).
-    None elsewhere (the model's Python layers run)."""
-    if device.type != "cpu" or ops is not cpu_kernels or model.tp.size != 1 or not model.shape.plain_llama:
+    device, one rank, and the native decoder (`LlamaForCausalLM`, every feature of it). None elsewhere
+    (the model's Python layers run)."""
+    if device.type != "cpu" or ops is not cpu_kernels or model.tp.size != 1:
         return None
-    norms, linears = model.layer_parts()
-    shape = model.shape
-    return cpu_kernels.DecoderLayers(
-        norms, linears, shape.num_heads, shape.num_kv_heads, shape.rms_norm_eps, shape.head_dim**-0.5
-    )
+    if not isinstance(model, LlamaForCausalLM):  # transformers' own layers (`--model-impl transformers`)
+        return None
+    return cpu_kernels.DecoderLayers(model.decoder_spec())
 
 
 def build_sampling_metadata(requests: list[Request], vocab_size: int) -> SamplingMetadata:

@@ -65,20 +65,24 @@ def test_served_chat_answer_and_metrics_in_prometheus(serve_process, prometheus)
 
 
 @pytest.mark.parametrize(
-    ("args", "code", "message"),
+    ("args", "env", "code", "message"),
     [
-        (["--max-num-seqs", "0"], 2, "--max-num-seqs: Input should be greater than or equal to 1"),
-        (["--device", "cuda"], 1, "no CUDA device"),
-        (["/nonexistent/model"], 1, "does not exist"),
+        (["--max-num-seqs", "0"], {}, 2, "--max-num-seqs: Input should be greater than or equal to 1"),
+        (["--device", "cuda"], {}, 1, "no CUDA device"),
+        (["/nonexistent/model"], {}, 1, "does not exist"),
+        ([], {"CONVEYOR_CPU_KERNELS": "panel,amx@64"}, 1, "CONVEYOR_CPU_KERNELS: 'amx' is not a kernel"),
     ],
 )
-def test_serve_rejects_bad_flags_with_a_clear_message(args, code, message):
+def test_serve_rejects_bad_flags_with_a_clear_message(args, env, code, message):
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     exe = Path(sys.executable).with_name("conveyor")
-    out = subprocess.run([str(exe), "serve", *args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [str(exe), "serve", *args], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
     assert out.returncode == code
     assert message in out.stderr
     assert "Traceback" not in out.stderr

@@ -1,14 +1,16 @@
 """The C++ layer loop (`kernels/csrc/decoder.cpp`, `conveyor.kernels.cpu.DecoderLayers`) against the
 model's Python layers on the same C++ kernels: same hidden states and same KV cache writes, for a step
 that mixes a prefill, a chunk of a longer context and decodes, and for a step of decodes only; with plain,
-oneDNN-packed and panel-packed linear layers."""
+oneDNN-packed and panel-packed linear layers, and both chosen by row count (`kernels.selection`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from conveyor.kernels import AttentionMetadata, cpu, onednn
+from conveyor.kernels import AttentionMetadata, cpu, onednn, selection
 from conveyor.server.model.models.llama import LlamaForCausalLM
 from conveyor.server.model.runner import fused_layer_loop
 from tests.tiny_llama import HEAD_DIM, NUM_KV_HEADS, tiny_llama
@@ -67,12 +69,47 @@ def _caches(model: LlamaForCausalLM, dtype: torch.dtype) -> list[tuple[torch.Ten
     ]
 
 
-def _model(dtype: torch.dtype, linears: str) -> LlamaForCausalLM:
-    model = tiny_llama(tie=False, dtype=dtype, ops=cpu)
-    if linears == "panel":
-        cpu.pack_linear_layers(model)
-    elif linears == "onednn":
-        onednn.pack_linear_layers(model)
+# `CONVEYOR_CPU_KERNELS` per case: one kernel, or the panel kernel for decode steps (3 rows) and
+# oneDNN for the mixed step (15 rows), switching within the step's layer list.
+KERNELS = {"panel": "panel", "onednn": "onednn", "selected": "panel,onednn@8"}
+
+
+# The decoder's features, as the families switch them on (2 layers; the window is shorter than the
+# contexts of the steps below, and only the first layer slides where the family alternates).
+FAMILIES = {
+    "llama": {},
+    "qwen3": {"qk_norm": True, "attention_bias": False},
+    "granite": {"residual_multiplier": 0.22, "attention_multiplier": 0.0078125, "o_proj_bias": True},
+    "mistral-window": {"sliding_window": 4, "sliding_layers": (True, True)},
+    "gemma2": {
+        "activation": "gelu_tanh",
+        "sandwich_norms": True,
+        "attn_logit_softcap": 5.0,
+        "attention_multiplier": 0.2,
+        "sliding_window": 4,
+        "sliding_layers": (True, False),
+    },
+    "gemma3": {
+        "activation": "gelu_tanh",
+        "sandwich_norms": True,
+        "qk_norm": True,
+        "sliding_window": 5,
+        "sliding_layers": (True, False),
+        "local_rope_theta": 1000.0,
+    },
+}
+
+
+def _model(dtype: torch.dtype, linears: str, family: str = "llama") -> LlamaForCausalLM:
+    model = tiny_llama(tie=False, dtype=dtype, ops=cpu, **FAMILIES[family])
+    with torch.no_grad():  # norms away from 1 so a norm applied twice or skipped shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.linspace(-0.5, 0.5, param.numel()).view_as(param).to(dtype))
+    if linears in KERNELS:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(selection.OVERRIDE_ENV, KERNELS[linears])
+            selection.select_linear_kernels(model, dtype, panel=True)
     return model
 
 
@@ -94,9 +131,11 @@ CASES = [
     (torch.float32, "plain"),
     (torch.float32, "panel"),
     (torch.float32, "onednn"),
+    (torch.float32, "selected"),
     (torch.bfloat16, "plain"),
     (torch.bfloat16, "panel"),
     (torch.bfloat16, "onednn"),
+    (torch.bfloat16, "selected"),
 ]
 
 
@@ -108,9 +147,9 @@ def _library() -> None:
 @pytest.mark.parametrize("step", [_mixed_step, _decode_step], ids=["mixed", "decode"])
 @pytest.mark.parametrize(("dtype", "linears"), CASES, ids=[f"{str(d)[6:]}-{k}" for d, k in CASES])
 def test_layer_loop_equals_the_python_layers(dtype: torch.dtype, linears: str, step) -> None:
-    if linears == "onednn" and not onednn.packing_supported(dtype, torch.device("cpu")):
+    if linears in ("onednn", "selected") and not onednn.packing_supported(dtype, torch.device("cpu")):
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
-    if linears == "panel" and dtype == torch.bfloat16 and not cpu.bf16_matmul_supported():
+    if linears in ("panel", "selected") and dtype == torch.bfloat16 and not cpu.bf16_matmul_supported():
         pytest.skip("the panel kernel runs bfloat16 only with AVX512_BF16")
     model = _model(dtype, linears)
     ids, positions, meta = step()
@@ -127,18 +166,46 @@ def test_layer_loop_equals_the_python_layers(dtype: torch.dtype, linears: str, s
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("step", [_mixed_step, _decode_step], ids=["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
+def test_layer_loop_equals_the_python_layers_of_every_family(family: str, dtype: torch.dtype, step) -> None:
+    """Each family's features in the loop; a step with prefill rows of a model with sliding windows or
+    soft caps is the Python layers' to run, and the loop says so."""
+    model = _model(
+        dtype, "selected" if onednn.packing_supported(dtype, torch.device("cpu")) else "plain", family
+    )
+    ids, positions, meta = step()
+    loop = fused_layer_loop(model, cpu, torch.device("cpu"))
+    decode_only = model.shape.sliding_window is not None or model.shape.attn_logit_softcap is not None
+    if step is _mixed_step and decode_only:
+        assert not loop.runs(meta.max_query_len)
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="runs the Python layers"):
+            _fused_forward(loop, model, ids, positions, _caches(model, dtype), meta)
+        return
+    assert loop.runs(meta.max_query_len)
+    python_caches, fused_caches = _caches(model, dtype), _caches(model, dtype)
+    with torch.inference_mode():
+        expected = model(ids, positions, python_caches, meta)
+        fused = _fused_forward(loop, model, ids, positions, fused_caches, meta)
+    assert torch.equal(fused, expected)
+    for (k1, v1), (k2, v2) in zip(python_caches, fused_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def test_layer_loop_refuses_a_layer_it_cannot_call() -> None:
-    model = _model(torch.float32, "plain")
-    norms, layers = model.layer_parts()
-    layers[1] = torch.nn.Identity()
+    spec = _model(torch.float32, "plain").decoder_spec()
+    linears = list(spec.linears)
+    linears[1] = torch.nn.Identity()
     with pytest.raises(TypeError, match="cannot call a Identity as a linear layer"):
-        cpu.DecoderLayers(norms, layers, 4, NUM_KV_HEADS, 1e-5, HEAD_DIM**-0.5)
+        cpu.DecoderLayers(dataclasses.replace(spec, linears=linears))
+    with pytest.raises(ValueError, match="not 'relu'"):
+        cpu.DecoderLayers(dataclasses.replace(spec, activation="relu"))
 
 
 def test_a_position_outside_the_rotary_table_is_an_error_not_a_crash() -> None:
     model = _model(torch.float32, "plain")
-    norms, layers = model.layer_parts()
-    loop = cpu.DecoderLayers(norms, layers, 4, NUM_KV_HEADS, 1e-5, HEAD_DIM**-0.5)
+    loop = cpu.DecoderLayers(model.decoder_spec())
     ids, positions, meta = _decode_step()
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the rotary table"):
         _fused_forward(loop, model, ids, positions + 1000, _caches(model, torch.float32), meta)

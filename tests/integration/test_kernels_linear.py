@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import cpp_extension
 
-from conveyor.kernels import cpu
+from conveyor.kernels import cpu, selection
 from tests.tiny_llama import forward_logits, tiny_llama
 
 # (op namespace, compiler flags) of each build; "native" is the library the server loads.
@@ -19,7 +19,8 @@ BUILDS = {
     "avx2": ("conveyor_linear_avx2", ["-O3", "-mavx2", "-mfma", "-mno-avx512f"]),
     "scalar": ("conveyor_linear_scalar", ["-O3", "-mno-avx", "-mno-avx2"]),
 }
-SHAPES = [(576, 960), (1536, 576), (100, 37), (64, 33), (7, 1)]  # (in_features, out_features)
+# 1536 and 1001 span several chunks of K (csrc/linear.cpp), 1001 with an odd last one.
+SHAPES = [(576, 960), (1536, 576), (1001, 40), (100, 37), (64, 33), (7, 1)]  # (in_features, out_features)
 NUM_TOKENS = [1, 3, 8, 13, 16, 17, 300]
 
 
@@ -141,13 +142,22 @@ def test_cpu_linear_holds_bfloat16_only_where_that_is_exact():
         torch.testing.assert_close(module(x), linear(x).detach(), atol=1e-5, rtol=1e-5)
 
 
+def _select(model: nn.Module, dtype: torch.dtype, kernels: str) -> None:
+    """The server's selection with its measurement overridden (`CONVEYOR_CPU_KERNELS=kernels`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(selection.OVERRIDE_ENV, kernels)
+        selection.select_linear_kernels(model, dtype, panel=True)
+
+
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("exact", [True, False], ids=["bfloat16-checkpoint", "float32-checkpoint"])
-def test_pack_linear_layers_keeps_the_model_output(exact: bool, tie: bool):
+def test_panel_layers_keep_the_model_output(exact: bool, tie: bool):
     dtype = torch.float32
     model, packed = (tiny_llama(tie, torch.bfloat16 if exact else dtype).to(dtype) for _ in range(2))
-    counts = cpu.pack_linear_layers(packed)
-    assert counts == {"bfloat16" if exact else "float32": 4 * 2 + 1}  # 4 per layer + the LM head
+    _select(packed, dtype, "panel")
+    panels = [m for m in packed.modules() if isinstance(m, cpu.CPULinear)]
+    assert len(panels) == 4 * 2 + 1  # 4 per layer + the LM head
+    assert {m.weight_dtype for m in panels} == {torch.bfloat16 if exact else torch.float32}
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
     assert packed.embed_tokens.weight.dtype == dtype  # lookups keep the plain table
     torch.testing.assert_close(
@@ -155,18 +165,18 @@ def test_pack_linear_layers_keeps_the_model_output(exact: bool, tie: bool):
     )
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_pack_linear_layers_keeps_a_bfloat16_model_output(tie: bool):
+def test_a_bfloat16_model_in_the_panel_kernel_keeps_its_output():
     """A model held in bfloat16: its linears run in the panel kernel where the CPU has AVX512_BF16's dot
-    product (elsewhere they stay for oneDNN), with the plain model's logits up to bfloat16 rounding."""
+    product (elsewhere the panel kernel is not offered), with the plain model's logits up to bfloat16
+    rounding."""
     dtype = torch.bfloat16
-    model, packed = (tiny_llama(tie, dtype) for _ in range(2))
-    counts = cpu.pack_linear_layers(packed)
+    model, packed = (tiny_llama(False, dtype) for _ in range(2))
     if not cpu.bf16_matmul_supported():
-        assert counts == {}
+        with pytest.raises(ValueError, match="'panel' is not a kernel this model can use here"):
+            _select(packed, dtype, "panel")
         return
-    assert counts == {"bfloat16": 4 * 2 + 1}
-    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    _select(packed, dtype, "panel")
+    assert sum(isinstance(m, cpu.CPULinear) for m in packed.modules()) == 4 * 2 + 1
     torch.testing.assert_close(
         forward_logits(packed, dtype).float(), forward_logits(model, dtype).float(), atol=0.05, rtol=0.05
     )

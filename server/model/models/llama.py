@@ -13,7 +13,7 @@ shard and the model sums row-parallel outputs and the vocabulary-parallel embedd
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
+from conveyor.kernels.cpu import DecoderSpec
 from conveyor.kernels.reference import rope_cos_sin_cache
 from conveyor.server.model.parallel import Partition, TensorParallel, partition
 
@@ -74,12 +75,6 @@ class ModelShape:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     local_rope_theta: float | None = None
-
-    @property
-    def plain_llama(self) -> bool:
-        """True when the decoder is Llama's own (no qk-norm, no multipliers, no window, SiLU, plain
-        norms): what the C++ layer loop (`kernels/csrc/decoder.cpp`) computes."""
-        return self == _without_features(self)
 
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
@@ -141,28 +136,6 @@ class ModelShape:
             sliding_layers=sliding,
             local_rope_theta=local_theta,
         )
-
-
-def _without_features(shape: ModelShape) -> ModelShape:
-    """`shape` with every feature switched off (Llama's own decoder)."""
-    return replace(
-        shape,
-        o_proj_bias=False,
-        qk_norm=False,
-        embedding_multiplier=1.0,
-        round_embedding_multiplier=False,
-        residual_multiplier=1.0,
-        attention_multiplier=None,
-        logits_scaling=1.0,
-        norm_weight_offset=0.0,
-        activation="silu",
-        sandwich_norms=False,
-        attn_logit_softcap=None,
-        final_logit_softcap=None,
-        sliding_window=None,
-        sliding_layers=(),
-        local_rope_theta=None,
-    )
 
 
 def _rope(config) -> tuple[float, dict | None, float | None]:
@@ -442,16 +415,36 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def layer_parts(self) -> tuple[list[torch.Tensor], list[nn.Module]]:
-        """What a fused layer loop needs, in execution order: the RMSNorm weights (per layer input and
-        post-attention, then the final norm) and the linear layers (per layer q/k/v, o, gate/up, down)."""
+    def decoder_spec(self) -> DecoderSpec:
+        """This decoder's layers as the C++ layer loop takes them (`kernels.cpu.DecoderSpec`): norms,
+        q/k norms and linear layers in execution order, and the features' numbers."""
         norms: list[torch.Tensor] = []
+        qk_norms: list[torch.Tensor] = []
         linears: list[nn.Module] = []
         for layer in self.layers:
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if layer.pre_feedforward_layernorm is not None:
+                norms += [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight]
             attn, mlp = layer.self_attn, layer.mlp
+            if attn.q_norm is not None:
+                qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
             linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        return [*norms, self.norm.weight], linears
+        shape, first = self.shape, self.layers[0].self_attn
+        return DecoderSpec(
+            norm_weights=[*norms, self.norm.weight],
+            norms_per_layer=4 if shape.sandwich_norms else 2,
+            qk_norm_weights=qk_norms,
+            linears=linears,
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            eps=shape.rms_norm_eps,
+            scale=first.scale,
+            sliding_windows=[layer.self_attn.window or 0 for layer in self.layers],
+            local_cos_sin_cache=self.local_cos_sin_cache,
+            logits_soft_cap=shape.attn_logit_softcap,
+            residual_multiplier=shape.residual_multiplier,
+            activation=shape.activation,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: `[num_rows, hidden_size]` -> logits `[num_rows, vocab_size]` (on rank 0; None on the

@@ -46,7 +46,6 @@ class GenericShape:
     head_dim: int
     max_position_embeddings: int
     sliding_window: int | None = None
-    plain_llama: bool = False  # never the C++ layer loop's decoder
 
     @classmethod
     def from_hf_config(cls, config) -> GenericShape:

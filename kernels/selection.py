@@ -1,0 +1,337 @@
+"""Which matmul runs each linear layer on a CPU, chosen by measurement on the machine at hand.
+
+No one CPU kernel wins everywhere: the C++ panel kernel (`cpu.CPULinear`) is built for a decode step's
+few rows, oneDNN's pre-packed layers (`onednn.PackedLinear`) use AMX tiles on Xeons that have them and
+block large matrices well, and a plain `nn.Linear` (MKL's sgemm in float32) can win at prefill sizes.
+Which is fastest depends on the CPU, the dtype, the layer's shape and the number of rows of the step,
+and the machines this runs on differ (AVX2-only EPYCs, AVX-512 Zen 4, Xeons with AMX), so the table is
+measured, not written down: at the first start on a machine each candidate is timed on each distinct
+`(in_features, out_features)` of the model at ROW_BUCKETS rows, with that shape's real weights, and the
+fastest per bucket is kept (the first available candidate unless another is MARGIN faster, so timing
+noise never costs a second copy of the weights). Tables are cached per shape under
+`${XDG_CACHE_HOME:-~/.cache}/conveyor/kernels/`, keyed by the CPU (model name and flags), the C++ build,
+torch's version and thread count, the dtype, the shape and the linear kernel's source, so a different
+CPU, build or kernel measures again and a restart reads them back in milliseconds.
+
+Every `nn.Linear` is then replaced by the one candidate its table names, or, where the table names
+several, by a `SelectedLinear` that picks by the row count of each call. `CONVEYOR_CPU_KERNELS`
+overrides the measurement for experiments, for every shape: `panel`, or `panel,onednn@256` (panel
+below 256 rows, oneDNN from 256 on).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+OVERRIDE_ENV = "CONVEYOR_CPU_KERNELS"
+# Another candidate replaces the first available one only when it is at least this much faster.
+MARGIN = 0.05
+# A bucket whose fastest call takes longer than this ends the measurement of its shape: the larger
+# buckets keep its choice (a 49,152-row LM head at 1,024 rows would take seconds per candidate).
+CALL_BUDGET_S = 0.1
+# Bumped when the measurement or the choice rule changes, so cached tables are measured again.
+TABLE_VERSION = 1
+
+Shape = tuple[int, int]  # (in_features, out_features)
+Factory = Callable[[nn.Linear], nn.Module]
+
+
+@dataclass(frozen=True)
+class RowDispatch:
+    """Which candidate runs a call of each row count: `ranges[i] = (first_rows, name)`, ascending,
+    the first starting at 1; a range runs up to the next one's first row."""
+
+    ranges: tuple[tuple[int, str], ...]
+
+    def __post_init__(self) -> None:
+        starts = [first for first, _ in self.ranges]
+        if not starts or starts[0] != 1 or starts != sorted(set(starts)):
+            raise ValueError(f"row ranges must start at 1 and ascend, got {self.ranges}")
+
+    def pick(self, rows: int) -> str:
+        """The candidate for a call with `rows` rows (0 rows: the first range's)."""
+        starts = [first for first, _ in self.ranges]
+        return self.ranges[max(0, bisect.bisect_right(starts, rows) - 1)][1]
+
+    def names(self) -> list[str]:
+        """The candidates used, in range order, each once."""
+        return list(dict.fromkeys(name for _, name in self.ranges))
+
+    def __str__(self) -> str:
+        parts = []
+        for i, (first, name) in enumerate(self.ranges):
+            last = self.ranges[i + 1][0] - 1 if i + 1 < len(self.ranges) else None
+            span = f"{first}+" if last is None else (f"{first}" if last == first else f"{first}-{last}")
+            parts.append(f"{name} {span}")
+        return ", ".join(parts)
+
+
+def choose(timings: dict[int, dict[str, float]], order: Iterable[str]) -> RowDispatch:
+    """The dispatch for one shape from its timings: `timings[bucket][name]` seconds per call at the
+    buckets measured (ascending, as ROW_BUCKETS); rows past the last bucket keep its choice.
+
+    A dispatch uses at most two kernels, one below a row count and one from it on (a decode kernel and
+    a matrix kernel: at most one extra copy of the weights, and a single noisy bucket cannot split a
+    range). Each possible dispatch costs the sum over the buckets of its time over that bucket's
+    fastest; the cheapest wins, unless the first timed candidate of `order` alone is within MARGIN per
+    bucket of it (then that one, with one copy of the weights). Bucket b's choice covers the rows above
+    the bucket before it. Raises ValueError when no bucket was timed."""
+    if not timings:
+        raise ValueError("no timings to choose from")
+    buckets = sorted(timings)
+    names = [name for name in order if all(name in timings[b] for b in buckets)]
+    if not names:
+        raise ValueError(f"no candidate of {list(order)} was timed at every bucket")
+    best = {b: min(timings[b][name] for name in names) for b in buckets}
+
+    def cost(low: str, high: str, split: int) -> float:
+        return sum(timings[b][low if i < split else high] / best[b] for i, b in enumerate(buckets))
+
+    plans = [(low, high, split) for low in names for high in names for split in range(1, len(buckets))]
+    plans = [(name, name, len(buckets)) for name in names] + [p for p in plans if p[0] != p[1]]
+    low, high, split = min(plans, key=lambda plan: cost(*plan))  # first of equals: fewer kernels
+    if cost(names[0], names[0], len(buckets)) <= cost(low, high, split) + MARGIN * len(buckets):
+        return RowDispatch(((1, names[0]),))
+    if low == high:
+        return RowDispatch(((1, low),))
+    return RowDispatch(((1, low), (buckets[split - 1] + 1, high)))
+
+
+def parse_override(text: str, available: Iterable[str]) -> RowDispatch:
+    """`CONVEYOR_CPU_KERNELS`'s value as a dispatch: `name` or `name,name@rows,...` (each from `rows`
+    rows on; the first from 1). Raises ValueError naming the variable for an unknown or unavailable
+    candidate, a bad row count or ranges out of order."""
+    available = list(available)
+    ranges: list[tuple[int, str]] = []
+    for i, part in enumerate(p.strip() for p in text.split(",")):
+        name, _, rows = part.partition("@")
+        if name not in available:
+            raise ValueError(
+                f"{OVERRIDE_ENV}: {name!r} is not a kernel this model can use here "
+                f"(available: {', '.join(available)})"
+            )
+        if not rows and i > 0:
+            raise ValueError(f"{OVERRIDE_ENV}: {part!r} needs a first row count, as {name}@256")
+        try:
+            first = int(rows) if rows else 1
+        except ValueError:
+            raise ValueError(f"{OVERRIDE_ENV}: {rows!r} in {part!r} is not a row count") from None
+        ranges.append((first, name))
+    try:
+        return RowDispatch(tuple(ranges))
+    except ValueError as exc:
+        raise ValueError(f"{OVERRIDE_ENV}={text!r}: {exc}") from None
+
+
+def time_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+    """Seconds per call of `fn(x)`: the least of up to 9 samples (at least 3, about 30 ms of calls in
+    all), each a batch of calls of at least 1 ms. The least, because a busy machine only ever adds time:
+    a sample the scheduler interrupted is slow, never fast."""
+    fn(x)
+    start = time.perf_counter()
+    fn(x)
+    once = max(time.perf_counter() - start, 1e-7)
+    calls = max(1, int(1e-3 / once))
+    samples = max(3, min(9, int(0.03 / (calls * once))))
+    best = float("inf")
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure(
+    linear: nn.Linear, candidates: dict[str, Factory], buckets: Iterable[int] = ROW_BUCKETS
+) -> dict[int, dict[str, float]]:
+    """Seconds per call of each candidate built from `linear` at each bucket's row count (x in the
+    weight's dtype), the candidates interleaved per bucket so drift hits them alike. Stops after the
+    first bucket whose fastest call exceeds CALL_BUDGET_S."""
+    modules = {name: make(linear) for name, make in candidates.items()}
+    generator = torch.Generator().manual_seed(0)
+    timings: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for rows in buckets:
+            x = torch.randn(rows, linear.in_features, generator=generator).to(linear.weight.dtype)
+            timings[rows] = {name: time_call(module, x) for name, module in modules.items()}
+            if min(timings[rows].values()) > CALL_BUDGET_S:
+                break
+    return timings
+
+
+def cache_dir() -> Path:
+    """Where measured tables live: `${XDG_CACHE_HOME:-~/.cache}/conveyor/kernels`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "conveyor" / "kernels"
+
+
+def machine_key() -> dict[str, str]:
+    """What a measurement depends on besides the layer: the CPU (model name and flags), torch's
+    version and threads, the C++ kernels' build and the linear kernel's source."""
+    from conveyor.kernels import cpu
+
+    cpuinfo = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                cpuinfo.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    source = (cpu.CSRC / "linear.cpp").read_bytes()
+    return {
+        "cpu": cpuinfo.get("model name", platform.processor() or platform.machine()),
+        "flags": hashlib.sha256(cpuinfo.get("flags", cpuinfo.get("Features", "")).encode()).hexdigest()[:16],
+        "build": cpu._build_name(),
+        "linear_source": hashlib.sha256(source).hexdigest()[:16],
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "version": str(TABLE_VERSION),
+    }
+
+
+def table_path(machine: dict[str, str], shape: Shape, dtype: torch.dtype, names: Iterable[str]) -> Path:
+    """The cache file of one shape's timings on this machine, with these candidates."""
+    key = {**machine, "shape": f"{shape[0]}x{shape[1]}", "dtype": str(dtype), "candidates": ",".join(names)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / f"linear-{shape[0]}x{shape[1]}-{str(dtype).removeprefix('torch.')}-{digest}.json"
+
+
+def cached_timings(
+    linear: nn.Linear, candidates: dict[str, Factory], machine: dict[str, str]
+) -> tuple[dict[int, dict[str, float]], str]:
+    """This shape's timings from the cache, or measured now and cached. Returns (timings, where from)."""
+    shape = (linear.in_features, linear.out_features)
+    path = table_path(machine, shape, linear.weight.dtype, candidates)
+    try:
+        stored = json.loads(path.read_text())
+        return {int(rows): times for rows, times in stored["timings"].items()}, "cached"
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    start = time.perf_counter()
+    timings = measure(linear, candidates)
+    elapsed = time.perf_counter() - start
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"key": machine, "shape": list(shape), "timings": timings}, indent=1))
+        partial.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache the kernel timings in %s: %s", path.parent, exc)
+    return timings, f"measured in {elapsed:.1f} s"
+
+
+def replace_linear_layers(
+    model: nn.Module,
+    make: Callable[[nn.Linear], nn.Module],
+    when: Callable[[nn.Linear], bool] = lambda linear: True,
+) -> int:
+    """Replace each `nn.Linear` of `model` for which `when` holds by `make(linear)`, in place. Returns
+    how many were replaced. A tied LM head gets its own copy (the embedding keeps the plain weight for
+    its lookups)."""
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and when(module)
+    ]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, make(linear))
+    return len(targets)
+
+
+class SelectedLinear(nn.Module):
+    """`y = x @ weight.T + bias` through the candidate `dispatch` names for x's row count.
+
+    x: `[num_tokens, in_features]` -> `[num_tokens, out_features]`, in the layer's dtype. Holds each
+    candidate's layout of the weight (so about one extra copy per extra candidate); built after the
+    weights are final.
+    """
+
+    def __init__(self, linear: nn.Linear, dispatch: RowDispatch, candidates: dict[str, Factory]) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dispatch = dispatch
+        names = dispatch.names()
+        self.kernels = nn.ModuleList(candidates[name](linear) for name in names)
+        self._starts = [first for first, _ in dispatch.ranges]
+        self._index = [names.index(name) for _, name in dispatch.ranges]
+
+    def kernel_for(self, rows: int) -> nn.Module:
+        """The module that runs a call with `rows` rows."""
+        return self.kernels[self._index[max(0, bisect.bisect_right(self._starts, rows) - 1)]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel_for(x.shape[0])(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows: {self.dispatch}"
+
+
+def candidate_factories(dtype: torch.dtype, panel: bool) -> dict[str, Factory]:
+    """The matmuls that can run `dtype` linear layers on this CPU, in order of preference: `panel`
+    (the C++ kernel, float32, and bfloat16 with AVX512_BF16; only when `panel`, i.e. the C++ backend
+    runs), `onednn` (pre-packed, float32, and bfloat16 where the CPU computes it natively) and `torch`
+    (the layer as loaded). Raises cpu.CPUKernelBuildError when `panel` and the library cannot be built."""
+    from conveyor.kernels import cpu, onednn
+
+    factories: dict[str, Factory] = {}
+    if panel:
+        cpu.load_library()
+    if panel and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul_supported())):
+        factories["panel"] = cpu.CPULinear
+    if onednn.packing_supported(dtype, torch.device("cpu")):
+        factories["onednn"] = onednn.PackedLinear
+    factories["torch"] = lambda linear: linear
+    return factories
+
+
+def select_linear_kernels(model: nn.Module, dtype: torch.dtype, panel: bool) -> dict[Shape, RowDispatch]:
+    """Replace every `nn.Linear` of `model` (float32 or bfloat16, on the CPU) by the kernels its shape's
+    table names, in place: measured here (or read from the cache), or `CONVEYOR_CPU_KERNELS`. Logs one
+    line per shape. Returns the tables. Raises ValueError for a bad `CONVEYOR_CPU_KERNELS`."""
+    candidates = candidate_factories(dtype, panel)
+    override = os.environ.get(OVERRIDE_ENV, "").strip()
+    forced = parse_override(override, candidates) if override else None
+    first_of_shape: dict[Shape, nn.Linear] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            first_of_shape.setdefault((module.in_features, module.out_features), module)
+    machine = machine_key() if forced is None and len(candidates) > 1 else {}
+    tables: dict[Shape, RowDispatch] = {}
+    name = str(dtype).removeprefix("torch.")
+    for shape, linear in first_of_shape.items():
+        if forced is not None:
+            tables[shape], source = forced, OVERRIDE_ENV
+        elif len(candidates) == 1:
+            tables[shape], source = RowDispatch(((1, next(iter(candidates))),)), "the only kernel"
+        else:
+            timings, source = cached_timings(linear, candidates, machine)
+            tables[shape] = choose(timings, candidates)
+        logger.info("linear %dx%d %s: %s (%s)", *shape, name, tables[shape], source)
+
+    def make(linear: nn.Linear) -> nn.Module:
+        dispatch = tables[(linear.in_features, linear.out_features)]
+        if len(dispatch.ranges) == 1:
+            return candidates[dispatch.ranges[0][1]](linear)
+        return SelectedLinear(linear, dispatch, candidates)
+
+    replace_linear_layers(model, make, lambda linear: type(linear) is nn.Linear)
+    return tables

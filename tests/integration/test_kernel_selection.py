@@ -1,0 +1,88 @@
+"""Linear kernels chosen per row count (`conveyor.kernels.selection`) on a real model: every layer runs
+the kernel its table names at each row count and the model's output stays the plain model's; a real
+measurement on this CPU is cached and read back. The rule itself is in tests/unit/test_kernel_selection.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from conveyor.kernels import cpu, onednn, selection
+from tests.tiny_llama import forward_logits, tiny_llama
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library() -> None:
+    cpu.load_library()  # before the cache moves: torch keeps its build cache under XDG_CACHE_HOME too
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(_library, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(selection.OVERRIDE_ENV, raising=False)
+
+
+def test_each_layer_runs_the_kernel_its_table_names_for_the_rows(monkeypatch):
+    """Made-up timings: the panel kernel wins up to 4 rows, oneDNN from 5 on."""
+    buckets = [1, 2, 4, 8, 16]
+    fake = {
+        b: {"panel": 1.0 if b <= 4 else 2.0, "onednn": 2.0 if b <= 4 else 1.0, "torch": 3.0} for b in buckets
+    }
+    monkeypatch.setattr(selection, "measure", lambda linear, candidates: fake)
+    model, selected = tiny_llama(False, torch.float32), tiny_llama(False, torch.float32)
+    tables = selection.select_linear_kernels(selected, torch.float32, panel=True)
+    assert {str(t) for t in tables.values()} == {"panel 1-4, onednn 5+"}
+    layers = [m for m in selected.modules() if isinstance(m, selection.SelectedLinear)]
+    assert len(layers) == 4 * 2 + 1 and not any(type(m) is nn.Linear for m in selected.modules())
+    for rows, kind in (
+        (1, cpu.CPULinear),
+        (4, cpu.CPULinear),
+        (5, onednn.PackedLinear),
+        (300, onednn.PackedLinear),
+    ):
+        assert all(isinstance(layer.kernel_for(rows), kind) for layer in layers)
+    for num_tokens in (3, 10):  # one step through each kernel
+        torch.testing.assert_close(
+            forward_logits(selected, torch.float32, num_tokens),
+            forward_logits(model, torch.float32, num_tokens),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_real_measurement_is_cached_and_keeps_the_output(dtype, caplog):
+    model, selected = tiny_llama(False, dtype), tiny_llama(False, dtype)
+    with caplog.at_level(logging.INFO, logger="conveyor.kernels.selection"):
+        tables = selection.select_linear_kernels(selected, dtype, panel=True)
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert set(tables) == shapes
+    available = selection.candidate_factories(dtype, panel=True)
+    assert all(set(table.names()) <= set(available) for table in tables.values())
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(shapes) and all(line.startswith("linear ") for line in lines), lines
+    if len(available) > 1:
+        assert all("(measured in" in line for line in lines), lines
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="conveyor.kernels.selection"):
+            again = selection.select_linear_kernels(tiny_llama(False, dtype), dtype, panel=True)
+        assert again == tables and all(r.getMessage().endswith("(cached)") for r in caplog.records)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    for num_tokens in (1, 10):
+        torch.testing.assert_close(
+            forward_logits(selected, dtype, num_tokens).float(),
+            forward_logits(model, dtype, num_tokens).float(),
+            atol=tolerance,
+            rtol=tolerance,
+        )
+
+
+def test_the_override_skips_the_measurement(monkeypatch):
+    monkeypatch.setenv(selection.OVERRIDE_ENV, "torch,onednn@64")
+    monkeypatch.setattr(selection, "measure", lambda *args: pytest.fail("measured despite the override"))
+    model = tiny_llama(False, torch.float32)
+    tables = selection.select_linear_kernels(model, torch.float32, panel=True)
+    assert {str(t) for t in tables.values()} == {"torch 1-63, onednn 64+"}
