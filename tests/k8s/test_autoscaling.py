@@ -359,9 +359,11 @@ def test_a_hung_prometheus_never_delays_a_reconcile(crd: LocalCluster, tmp_path:
         env.wait_ready("hung")
         # A step that ran before the pod was Ready says "no Ready pods"; wait for one that asked.
         env.eventually(
-            lambda: (c := env.condition("hung", "MetricsAvailable"))
-            and c["status"] == "False"
-            and "queueDepth: no answer within 5 s" in c["message"],
+            lambda: (
+                (c := env.condition("hung", "MetricsAvailable"))
+                and c["status"] == "False"
+                and "queueDepth: no answer within 5 s" in c["message"]
+            ),
             "MetricsAvailable=False naming the unanswered query",
         )
         hung.accepted.clear()
