@@ -138,22 +138,29 @@ def parse_override(text: str, available: Iterable[str]) -> RowDispatch:
         raise ValueError(f"{OVERRIDE_ENV}={text!r}: {exc}") from None
 
 
-def time_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
-    """Seconds per call of `fn(x)`: the least of up to 9 samples (at least 3, about 30 ms of calls in
-    all), each a batch of calls of at least 1 ms. The least, because a busy machine only ever adds time:
-    a sample the scheduler interrupted is slow, never fast."""
-    fn(x)
-    start = time.perf_counter()
-    fn(x)
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, int(1e-3 / once))
-    samples = max(3, min(9, int(0.03 / (calls * once))))
-    best = float("inf")
-    for _ in range(samples):
+def time_calls(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> dict[str, float]:
+    """Seconds per call of each `fn(x)`: the least of up to 9 samples each (at least 3, about 30 ms of
+    calls in all), a sample being a batch of calls of at least 1 ms. The samples take turns between
+    the functions, so a stretch of load from elsewhere slows all of them, not the one that happened to
+    run then; and the least counts, because load only ever adds time: an interrupted sample is slow,
+    never fast."""
+    batch: dict[str, int] = {}
+    slowest = 0.0  # seconds of the longest sample
+    for name, fn in fns.items():
+        fn(x)
         start = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        best = min(best, (time.perf_counter() - start) / calls)
+        fn(x)
+        once = max(time.perf_counter() - start, 1e-7)
+        batch[name] = max(1, int(1e-3 / once))
+        slowest = max(slowest, batch[name] * once)
+    rounds = max(3, min(9, int(0.03 / slowest)))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(batch[name]):
+                fn(x)
+            best[name] = min(best[name], (time.perf_counter() - start) / batch[name])
     return best
 
 
@@ -161,15 +168,15 @@ def measure(
     linear: nn.Linear, candidates: dict[str, Factory], buckets: Iterable[int] = ROW_BUCKETS
 ) -> dict[int, dict[str, float]]:
     """Seconds per call of each candidate built from `linear` at each bucket's row count (x in the
-    weight's dtype), the candidates interleaved per bucket so drift hits them alike. Stops after the
-    first bucket whose fastest call exceeds CALL_BUDGET_S."""
+    weight's dtype; `time_calls`). Stops after the first bucket whose fastest call exceeds
+    CALL_BUDGET_S."""
     modules = {name: make(linear) for name, make in candidates.items()}
     generator = torch.Generator().manual_seed(0)
     timings: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for rows in buckets:
             x = torch.randn(rows, linear.in_features, generator=generator).to(linear.weight.dtype)
-            timings[rows] = {name: time_call(module, x) for name, module in modules.items()}
+            timings[rows] = time_calls(modules, x)
             if min(timings[rows].values()) > CALL_BUDGET_S:
                 break
     return timings
