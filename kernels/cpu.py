@@ -39,7 +39,7 @@ from conveyor.kernels.reference import check_window_and_soft_cap, prefill_attent
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp", CSRC / "decoder.cpp")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp", CSRC / "quant.cpp", CSRC / "decoder.cpp")
 EXTENSION_NAME = "conveyor_cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 # Set (to anything but "" or "0") to build the kernels without AVX-512 on a CPU that has it, as vLLM's
@@ -318,19 +318,25 @@ def bf16_matmul_supported() -> bool:
     return bool(torch.ops.conveyor_linear.bf16_dot())
 
 
-# The kinds of linear layer the layer loop calls (csrc/decoder.cpp's LinearKind).
-LINEAR_PLAIN, LINEAR_ONEDNN, LINEAR_PANEL = 0, 1, 2
+# The kinds of linear layer the layer loop calls (csrc/decoder.cpp's LinearKind); a quantized layer's
+# kind is LINEAR_QUANT + its method (csrc/quant.cpp's Method).
+LINEAR_PLAIN, LINEAR_ONEDNN, LINEAR_PANEL, LINEAR_QUANT = 0, 1, 2, 3
 
 
 def linear_kind(module: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """(weight, bias, kind, out_features) of a linear layer as `decoder_layers` takes it for a step of
-    `rows` rows: an `nn.Linear`, a oneDNN `PackedLinear`, a `CPULinear`, or the one of those a
-    `selection.SelectedLinear` runs at that row count. Raises TypeError for anything else."""
+    `rows` rows: an `nn.Linear`, a oneDNN `PackedLinear`, a `CPULinear`, a `quant.QuantizedLinear`, or
+    the one of those a `selection.SelectedLinear` runs at that row count. Raises TypeError for anything
+    else."""
     from conveyor.kernels.onednn import PackedLinear
+    from conveyor.kernels.quant import METHODS, QuantizedLinear
     from conveyor.kernels.selection import SelectedLinear
 
     if isinstance(module, SelectedLinear):
         module = module.kernel_for(rows)
+    if isinstance(module, QuantizedLinear):
+        bias = None if module.bias is None else module.bias.detach()
+        return module.packed, bias, LINEAR_QUANT + METHODS[module.method], module.out_features
     if isinstance(module, CPULinear):
         return module.packed_weight, module.bias, LINEAR_PANEL, module.out_features
     if isinstance(module, PackedLinear):

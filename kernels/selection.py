@@ -13,10 +13,14 @@ noise never costs a second copy of the weights). Tables are cached per shape und
 torch's version and thread count, the dtype, the shape and the linear kernel's source, so a different
 CPU, build or kernel measures again and a restart reads them back in milliseconds.
 
-Every `nn.Linear` is then replaced by the one candidate its table names, or, where the table names
-several, by a `SelectedLinear` that picks by the row count of each call. `CONVEYOR_CPU_KERNELS`
-overrides the measurement for experiments, for every shape: `panel`, or `panel,onednn@256` (panel
-below 256 rows, oneDNN from 256 on).
+A GGUF-quantized layer (`quant.QuantizedLinear`) has its own candidates over the same packed bytes,
+`q-dot` and `q-dequant` (see `conveyor.kernels.quant`), measured the same way, keyed also by its block
+formats.
+
+Every layer is then replaced by the one candidate its table names, or, where the table names several,
+by a `SelectedLinear` that picks by the row count of each call. `CONVEYOR_CPU_KERNELS` overrides the
+measurement for experiments, for every shape whose candidates it names: `panel`, or `panel,onednn@256`
+(panel below 256 rows, oneDNN from 256 on), or `q-dot` for quantized layers.
 """
 
 from __future__ import annotations
@@ -48,7 +52,12 @@ CALL_BUDGET_S = 0.1
 TABLE_VERSION = 1
 
 Shape = tuple[int, int]  # (in_features, out_features)
-Factory = Callable[[nn.Linear], nn.Module]
+Factory = Callable[[nn.Module], nn.Module]  # an nn.Linear or a quant.QuantizedLinear -> its kernel
+# The candidates of a quantized layer, over its packed bytes (no copy).
+QUANTIZED_FACTORIES: dict[str, Factory] = {
+    "q-dot": lambda layer: layer.with_method("dot"),
+    "q-dequant": lambda layer: layer.with_method("dequant"),
+}
 
 
 @dataclass(frozen=True)
@@ -165,17 +174,19 @@ def time_calls(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.
 
 
 def measure(
-    linear: nn.Linear, candidates: dict[str, Factory], buckets: Iterable[int] = ROW_BUCKETS
+    linear: nn.Module,
+    candidates: dict[str, Factory],
+    dtype: torch.dtype,
+    buckets: Iterable[int] = ROW_BUCKETS,
 ) -> dict[int, dict[str, float]]:
-    """Seconds per call of each candidate built from `linear` at each bucket's row count (x in the
-    weight's dtype; `time_calls`). Stops after the first bucket whose fastest call exceeds
-    CALL_BUDGET_S."""
+    """Seconds per call of each candidate built from `linear` at each bucket's row count (x in `dtype`;
+    `time_calls`). Stops after the first bucket whose fastest call exceeds CALL_BUDGET_S."""
     modules = {name: make(linear) for name, make in candidates.items()}
     generator = torch.Generator().manual_seed(0)
     timings: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for rows in buckets:
-            x = torch.randn(rows, linear.in_features, generator=generator).to(linear.weight.dtype)
+            x = torch.randn(rows, linear.in_features, generator=generator).to(dtype)
             timings[rows] = time_calls(modules, x)
             if min(timings[rows].values()) > CALL_BUDGET_S:
                 break
@@ -201,7 +212,7 @@ def machine_key() -> dict[str, str]:
                 cpuinfo.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    source = (cpu.CSRC / "linear.cpp").read_bytes()
+    source = (cpu.CSRC / "linear.cpp").read_bytes() + (cpu.CSRC / "quant.cpp").read_bytes()
     return {
         "cpu": cpuinfo.get("model name", platform.processor() or platform.machine()),
         "flags": hashlib.sha256(cpuinfo.get("flags", cpuinfo.get("Features", "")).encode()).hexdigest()[:16],
@@ -213,26 +224,33 @@ def machine_key() -> dict[str, str]:
     }
 
 
-def table_path(machine: dict[str, str], shape: Shape, dtype: torch.dtype, names: Iterable[str]) -> Path:
-    """The cache file of one shape's timings on this machine, with these candidates."""
+def table_path(
+    machine: dict[str, str], shape: Shape, dtype: torch.dtype, names: Iterable[str], weights: str = ""
+) -> Path:
+    """The cache file of one shape's timings on this machine, with these candidates; `weights` names
+    a quantized layer's block formats ("" for float weights)."""
     key = {**machine, "shape": f"{shape[0]}x{shape[1]}", "dtype": str(dtype), "candidates": ",".join(names)}
+    if weights:
+        key["weights"] = weights
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir() / f"linear-{shape[0]}x{shape[1]}-{str(dtype).removeprefix('torch.')}-{digest}.json"
+    kind = weights or str(dtype).removeprefix("torch.")
+    return cache_dir() / f"linear-{shape[0]}x{shape[1]}-{kind}-{digest}.json"
 
 
 def cached_timings(
-    linear: nn.Linear, candidates: dict[str, Factory], machine: dict[str, str]
+    linear: nn.Module, candidates: dict[str, Factory], machine: dict[str, str], dtype: torch.dtype
 ) -> tuple[dict[int, dict[str, float]], str]:
-    """This shape's timings from the cache, or measured now and cached. Returns (timings, where from)."""
+    """This shape's timings (x in `dtype`) from the cache, or measured now and cached. Returns
+    (timings, where from)."""
     shape = (linear.in_features, linear.out_features)
-    path = table_path(machine, shape, linear.weight.dtype, candidates)
+    path = table_path(machine, shape, dtype, candidates, getattr(linear, "types", ""))
     try:
         stored = json.loads(path.read_text())
         return {int(rows): times for rows, times in stored["timings"].items()}, "cached"
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     start = time.perf_counter()
-    timings = measure(linear, candidates)
+    timings = measure(linear, candidates, dtype)
     elapsed = time.perf_counter() - start
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,16 +264,18 @@ def cached_timings(
 
 def replace_linear_layers(
     model: nn.Module,
-    make: Callable[[nn.Linear], nn.Module],
-    when: Callable[[nn.Linear], bool] = lambda linear: True,
+    make: Callable[[nn.Module], nn.Module],
+    when: Callable[[nn.Module], bool] = lambda linear: True,
 ) -> int:
-    """Replace each `nn.Linear` of `model` for which `when` holds by `make(linear)`, in place. Returns
-    how many were replaced. A tied LM head gets its own copy (the embedding keeps the plain weight for
-    its lookups)."""
+    """Replace each `nn.Linear` or `quant.QuantizedLinear` of `model` for which `when` holds by
+    `make(linear)`, in place. Returns how many were replaced. A tied float LM head gets its own copy
+    (the embedding keeps the plain weight for its lookups); a quantized one shares its packed bytes."""
+    from conveyor.kernels.quant import QuantizedLinear
+
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and when(module)
+        if isinstance(module, (nn.Linear, QuantizedLinear)) and when(module)
     ]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
@@ -272,7 +292,7 @@ class SelectedLinear(nn.Module):
     weights are final.
     """
 
-    def __init__(self, linear: nn.Linear, dispatch: RowDispatch, candidates: dict[str, Factory]) -> None:
+    def __init__(self, linear: nn.Module, dispatch: RowDispatch, candidates: dict[str, Factory]) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dispatch = dispatch
@@ -310,35 +330,61 @@ def candidate_factories(dtype: torch.dtype, panel: bool) -> dict[str, Factory]:
     return factories
 
 
-def select_linear_kernels(model: nn.Module, dtype: torch.dtype, panel: bool) -> dict[Shape, RowDispatch]:
-    """Replace every `nn.Linear` of `model` (float32 or bfloat16, on the CPU) by the kernels its shape's
-    table names, in place: measured here (or read from the cache), or `CONVEYOR_CPU_KERNELS`. Logs one
-    line per shape. Returns the tables. Raises ValueError for a bad `CONVEYOR_CPU_KERNELS`."""
-    candidates = candidate_factories(dtype, panel)
-    override = os.environ.get(OVERRIDE_ENV, "").strip()
-    forced = parse_override(override, candidates) if override else None
-    first_of_shape: dict[Shape, nn.Linear] = {}
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            first_of_shape.setdefault((module.in_features, module.out_features), module)
-    machine = machine_key() if forced is None and len(candidates) > 1 else {}
-    tables: dict[Shape, RowDispatch] = {}
-    name = str(dtype).removeprefix("torch.")
-    for shape, linear in first_of_shape.items():
-        if forced is not None:
-            tables[shape], source = forced, OVERRIDE_ENV
-        elif len(candidates) == 1:
-            tables[shape], source = RowDispatch(((1, next(iter(candidates))),)), "the only kernel"
-        else:
-            timings, source = cached_timings(linear, candidates, machine)
-            tables[shape] = choose(timings, candidates)
-        logger.info("linear %dx%d %s: %s (%s)", *shape, name, tables[shape], source)
+def select_linear_kernels(
+    model: nn.Module, dtype: torch.dtype, panel: bool
+) -> dict[tuple[int, int, str], RowDispatch]:
+    """Replace every `nn.Linear` (float32 or bfloat16, on the CPU) and `quant.QuantizedLinear` of
+    `model` by the kernels its shape's table names, in place: measured here (or read from the cache),
+    or `CONVEYOR_CPU_KERNELS` for the layers whose candidates it names. Logs one line per shape.
+    Returns the tables by `(in_features, out_features, weights)`, weights being the dtype's name or a
+    quantized layer's block formats. Raises ValueError for a `CONVEYOR_CPU_KERNELS`
+    that names no layer's candidates, or a bad one."""
+    from conveyor.kernels.quant import QuantizedLinear
 
-    def make(linear: nn.Linear) -> nn.Module:
-        dispatch = tables[(linear.in_features, linear.out_features)]
+    kinds = {"": candidate_factories(dtype, panel), "quantized": QUANTIZED_FACTORIES}
+    override = os.environ.get(OVERRIDE_ENV, "").strip()
+    forced: dict[str, RowDispatch] = {}
+    if override:
+        errors = []
+        for kind, factories in kinds.items():
+            try:
+                forced[kind] = parse_override(override, factories)
+            except ValueError as exc:
+                errors.append(exc)
+        if not forced:
+            raise errors[0]
+    first_of_shape: dict[tuple[int, int, str], nn.Module] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear or isinstance(module, QuantizedLinear):
+            weights = module.types if isinstance(module, QuantizedLinear) else ""
+            first_of_shape.setdefault((module.in_features, module.out_features, weights), module)
+    machine = machine_key()
+    tables: dict[tuple[int, int, str], RowDispatch] = {}
+    for key, linear in first_of_shape.items():
+        kind = "quantized" if key[2] else ""
+        candidates = kinds[kind]
+        if kind in forced:
+            tables[key], source = forced[kind], OVERRIDE_ENV
+        elif len(candidates) == 1:
+            tables[key], source = RowDispatch(((1, next(iter(candidates))),)), "the only kernel"
+        else:
+            timings, source = cached_timings(linear, candidates, machine, dtype)
+            tables[key] = choose(timings, candidates)
+        weights = key[2] or str(dtype).removeprefix("torch.")
+        logger.info("linear %dx%d %s: %s (%s)", key[0], key[1], weights, tables[key], source)
+
+    def key_of(linear: nn.Module) -> tuple[int, int, str]:
+        weights = linear.types if isinstance(linear, QuantizedLinear) else ""
+        return (linear.in_features, linear.out_features, weights)
+
+    def make(linear: nn.Module) -> nn.Module:
+        key = key_of(linear)
+        dispatch = tables[key]
+        candidates = kinds["quantized" if key[2] else ""]
         if len(dispatch.ranges) == 1:
             return candidates[dispatch.ranges[0][1]](linear)
         return SelectedLinear(linear, dispatch, candidates)
 
-    replace_linear_layers(model, make, lambda linear: type(linear) is nn.Linear)
-    return tables
+    replace_linear_layers(model, make, lambda m: type(m) is nn.Linear or isinstance(m, QuantizedLinear))
+    name = str(dtype).removeprefix("torch.")
+    return {(k[0], k[1], k[2] or name): table for k, table in tables.items()}

@@ -15,10 +15,10 @@
 // with prefill rows of a model with sliding windows or soft caps is not run here: the Python layers run
 // it (conveyor.kernels.reference.prefill_attention's masked and soft-capped paths); its decode steps are.
 //
-// Linear layers come in three kinds, as conveyor.kernels.cpu.linear_kind names them: a plain weight
-// (`at::linear`), a oneDNN-packed weight (`mkldnn::_linear_pointwise`, kernels/onednn.py) and this
-// library's panel-packed kernel (`conveyor_linear::linear`, linear.cpp; float32, or bfloat16 with
-// AVX512_BF16).
+// Linear layers come in the kinds conveyor.kernels.cpu.linear_kind names: a plain weight (`at::linear`),
+// a oneDNN-packed weight (`mkldnn::_linear_pointwise`, kernels/onednn.py), this library's panel-packed
+// kernel (`conveyor_linear::linear`, linear.cpp; float32, or bfloat16 with AVX512_BF16), and a GGUF-
+// quantized weight by either of its methods (`conveyor_quant::linear`, quant.cpp).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,7 +36,7 @@ namespace {
 
 using at::Tensor;
 
-enum LinearKind : int64_t { kPlain = 0, kOneDNN = 1, kPanel = 2 };
+enum LinearKind : int64_t { kPlain = 0, kOneDNN = 1, kPanel = 2, kQuantDot = 3, kQuantDequant = 4 };
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, int64_t kind,
@@ -57,6 +57,13 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
                            .findSchemaOrThrow("conveyor_linear::linear", "")
                            .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t)>();
       return op.call(x, weight, bias, out_features);
+    }
+    case kQuantDot:
+    case kQuantDequant: {  // quant.cpp's `linear`, its method being kind - kQuantDot
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("conveyor_quant::linear", "")
+                           .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t)>();
+      return op.call(x, weight, bias, kind - kQuantDot);
     }
     default:
       TORCH_CHECK(false, "unknown linear kind ", kind);

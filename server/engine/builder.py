@@ -93,6 +93,11 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         impl,
         mc.model_impl,
     )
+    loader.check_quantization(
+        mc.quantization, source, device, backend, config.parallel.tensor_parallel_size, mc.load_format
+    )
+    if mc.quantization and impl != "native":
+        raise ValueError("--quantization gguf runs conveyor's own decoder: use --model-impl native or auto")
     if impl == "transformers" and config.parallel.tensor_parallel_size > 1:
         raise ValueError("--model-impl transformers runs on one rank: use --tensor-parallel-size 1")
     tokenizer = loader.load_tokenizer(source, mc.load_format, mc.chat_template)
@@ -100,7 +105,9 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     try:
         tp = workers.tp if workers is not None else None
         if impl == "native":
-            model = loader.load_model(source, hf_config, dtype, device, ops, mc.load_format, tp)
+            model = loader.load_model(
+                source, hf_config, dtype, device, ops, mc.load_format, tp, mc.quantization
+            )
             logger.info("%s", pack_weights(model, ops, dtype, device))
         else:  # transformers' linear layers stay as they are (they take batched 3-D inputs)
             dummy = mc.load_format == "dummy"

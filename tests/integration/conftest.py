@@ -26,6 +26,29 @@ def engine_config(**overrides):
     )
 
 
+def cpu_build_ops(source: str, macro: str, build: tuple[str, list[str]] | None, native: str):
+    """The ops of one build of `kernels/csrc/<source>`: `torch.ops.<native>` (the server's library) for
+    None, else `(namespace, compiler flags)` compiled here with `-D<macro>=<namespace>` (so an AVX-512
+    machine also runs the AVX2 and scalar paths), cached like the server's build."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from conveyor.kernels import cpu
+
+    cpu.load_library()
+    if build is None:
+        return getattr(torch.ops, native)
+    namespace, flags = build
+    cpp_extension.load(
+        name=f"{namespace}_{cpu._build_name()}",
+        sources=[str(cpu.CSRC / source)],
+        extra_cflags=[*flags, "-fopenmp", f"-D{macro}={namespace}"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    return getattr(torch.ops, namespace)
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     """transformers' own model of the embedded GGUF, float32: the reference for greedy outputs."""

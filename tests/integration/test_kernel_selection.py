@@ -31,7 +31,7 @@ def test_each_layer_runs_the_kernel_its_table_names_for_the_rows(monkeypatch):
     fake = {
         b: {"panel": 1.0 if b <= 4 else 2.0, "onednn": 2.0 if b <= 4 else 1.0, "torch": 3.0} for b in buckets
     }
-    monkeypatch.setattr(selection, "measure", lambda linear, candidates: fake)
+    monkeypatch.setattr(selection, "measure", lambda linear, candidates, dtype: fake)
     model, selected = tiny_llama(False, torch.float32), tiny_llama(False, torch.float32)
     tables = selection.select_linear_kernels(selected, torch.float32, panel=True)
     assert {str(t) for t in tables.values()} == {"panel 1-4, onednn 5+"}
@@ -58,7 +58,8 @@ def test_a_real_measurement_is_cached_and_keeps_the_output(dtype, caplog):
     model, selected = tiny_llama(False, dtype), tiny_llama(False, dtype)
     with caplog.at_level(logging.INFO, logger="conveyor.kernels.selection"):
         tables = selection.select_linear_kernels(selected, dtype, panel=True)
-    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+    name = str(dtype).removeprefix("torch.")
+    shapes = {(m.in_features, m.out_features, name) for m in model.modules() if isinstance(m, nn.Linear)}
     assert set(tables) == shapes
     available = selection.candidate_factories(dtype, panel=True)
     assert all(set(table.names()) <= set(available) for table in tables.values())

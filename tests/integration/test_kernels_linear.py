@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import cpp_extension
 
 from conveyor.kernels import cpu, selection
+from tests.integration.conftest import cpu_build_ops
 from tests.tiny_llama import forward_logits, tiny_llama
 
 # (op namespace, compiler flags) of each build; "native" is the library the server loads.
@@ -27,18 +27,7 @@ NUM_TOKENS = [1, 3, 8, 13, 16, 17, 300]
 @pytest.fixture(scope="module", params=list(BUILDS))
 def ops(request: pytest.FixtureRequest):
     """The `conveyor_linear` ops of one build (compiled on first use, cached like the server's)."""
-    cpu.load_library()
-    if BUILDS[request.param] is None:
-        return torch.ops.conveyor_linear
-    namespace, flags = BUILDS[request.param]
-    cpp_extension.load(
-        name=f"{namespace}_{cpu._build_name()}",
-        sources=[str(cpu.CSRC / "linear.cpp")],
-        extra_cflags=[*flags, "-fopenmp", f"-DCONVEYOR_LINEAR_NAMESPACE={namespace}"],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
-    return getattr(torch.ops, namespace)
+    return cpu_build_ops("linear.cpp", "CONVEYOR_LINEAR_NAMESPACE", BUILDS[request.param], "conveyor_linear")
 
 
 def test_each_build_runs_its_own_instruction_set(ops, request: pytest.FixtureRequest):

@@ -63,6 +63,8 @@ def _other_value(info):
         return next(c for c in get_args(annotation) if c != info.default)
     kinds = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
     kind = kinds[0]
+    if get_origin(kind) is Literal:  # an optional choice
+        return get_args(kind)[0]
     if kind is bool:
         return not info.default
     if kind is float:

@@ -143,19 +143,19 @@ def test_a_cached_table_is_read_back_and_a_broken_one_measured_again(tmp_path, m
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     measured = []
 
-    def fake_measure(linear, candidates, buckets=BUCKETS):
+    def fake_measure(linear, candidates, dtype, buckets=BUCKETS):
         measured.append((linear.in_features, linear.out_features))
         return timings(panel={1: 1.0, 2: 1.0}, torch={1: 2.0, 2: 0.5})
 
     monkeypatch.setattr(selection, "measure", fake_measure)
     linear = nn.Linear(8, 4)
     candidates = {"panel": lambda linear: linear, "torch": lambda linear: linear}
-    first, how = selection.cached_timings(linear, candidates, MACHINE)
+    first, how = selection.cached_timings(linear, candidates, MACHINE, torch.float32)
     assert how.startswith("measured") and measured == [(8, 4)]
-    again, how = selection.cached_timings(linear, candidates, MACHINE)
+    again, how = selection.cached_timings(linear, candidates, MACHINE, torch.float32)
     assert (again, how, len(measured)) == (first, "cached", 1)
     path = selection.table_path(MACHINE, (8, 4), torch.float32, candidates)
     assert json.loads(path.read_text())["key"] == MACHINE
     path.write_text("{not json")
-    assert selection.cached_timings(linear, candidates, MACHINE)[1].startswith("measured")
+    assert selection.cached_timings(linear, candidates, MACHINE, torch.float32)[1].startswith("measured")
     assert len(measured) == 2

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels.cpu import DecoderSpec
+from conveyor.kernels.quant import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from conveyor.kernels.reference import rope_cos_sin_cache
 from conveyor.server.model.parallel import Partition, TensorParallel, partition
 
@@ -387,7 +388,8 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: `[num_tokens]` int64 -> `[num_tokens, hidden_size]` (vocabulary-parallel lookup)."""
         if self.tp.size == 1:
-            hidden = self.embed_tokens(input_ids)
+            # A quantized table (`kernels.quant.QuantizedEmbedding`) returns float32 rows.
+            hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         else:
             local = input_ids - self.partition.vocab_start
             outside = (local < 0) | (local >= self.partition.vocab_per_rank)
@@ -464,7 +466,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy this rank's shard of a transformers Llama-family checkpoint, fusing q/k/v and gate/up.
 
         `state_dict` maps checkpoint names to tensors (a dict, or a lazy mapping that reads each tensor
-        when asked). Raises KeyError naming a missing tensor.
+        when asked). A `kernels.quant.QuantizedWeight` value (a GGUF file's blocks, one rank only) makes
+        its layer a `QuantizedLinear` (its embedding table a `QuantizedEmbedding`, shared with a tied LM
+        head) instead of being copied. Raises KeyError naming a missing tensor.
         """
         part, hd = self.partition, self.shape.head_dim
         tp = self.tp.size > 1
@@ -483,18 +487,34 @@ class LlamaForCausalLM(nn.Module):
             module.weight.copy_(get(name).float() + offset if offset else get(name))
 
         def rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+            if isinstance(t, QuantizedWeight) and tp:  # a rank's shard of a GGUF file: its values
+                t = t.dequantize()
             return t[start : start + count] if tp else t
 
         def cols(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+            if isinstance(t, QuantizedWeight) and tp:
+                t = t.dequantize()
             return t[:, start : start + count] if tp else t
 
         def vocab(t: torch.Tensor) -> torch.Tensor:
             if not tp:
                 return t
+            if isinstance(t, QuantizedWeight):
+                t = t.dequantize()
             shard = t[part.vocab_start : part.vocab_start + part.vocab_per_rank]
             padded = t.new_zeros(part.vocab_per_rank, *t.shape[1:])
             padded[: shard.shape[0]] = shard
             return padded
+
+        def set_linear(owner: nn.Module, attr: str, parts: list) -> None:
+            """Layer `attr` of `owner` gets the rows of `parts` in order: quantized ones kept so (the
+            layer becomes a QuantizedLinear with the old one's bias), float ones copied."""
+            if all(isinstance(part, QuantizedWeight) for part in parts) and not tp:
+                old = getattr(owner, attr)
+                setattr(owner, attr, QuantizedLinear(QuantizedWeight.cat(parts), old.bias))
+                return
+            dense = [part.dequantize() if isinstance(part, QuantizedWeight) else part for part in parts]
+            getattr(owner, attr).weight.copy_(torch.cat(dense))
 
         try:
             embed = get("embed_tokens.weight")
@@ -502,10 +522,18 @@ class LlamaForCausalLM(nn.Module):
             if not self.shape.tie_word_embeddings:
                 raise
             embed = get("lm_head.weight")  # a tied table saved once, under the head's name
-        self.embed_tokens.weight.copy_(vocab(embed))
+        if isinstance(embed, QuantizedWeight) and not tp:
+            head = QuantizedLinear(embed)
+            self.embed_tokens = QuantizedEmbedding(head)
+            if self.shape.tie_word_embeddings:
+                self.lm_head = head
+        else:
+            self.embed_tokens.weight.copy_(vocab(embed))
+            if self.shape.tie_word_embeddings:  # a quantized head tied to a float table: the table's values
+                self.lm_head.weight = self.embed_tokens.weight
         norm(self.norm, "norm.weight")
         if not self.shape.tie_word_embeddings:
-            self.lm_head.weight.copy_(vocab(get("lm_head.weight")))
+            set_linear(self, "lm_head", [vocab(get("lm_head.weight"))])
         q_rows = (part.head_start * hd, part.num_heads * hd)
         kv_rows = (part.kv_head_start * hd, part.num_kv_heads * hd)
         mlp_rows = (part.rank * part.intermediate_size, part.intermediate_size)
@@ -513,14 +541,14 @@ class LlamaForCausalLM(nn.Module):
             p = f"layers.{i}."
             attn = layer.self_attn
 
-            def qkv(kind: str, p: str = p) -> torch.Tensor:
+            def qkv(kind: str, p: str = p) -> list:
                 try:
                     q, k, v = (get(p + f"self_attn.{n}_proj.{kind}") for n in "qkv")
                 except KeyError:  # one fused q/k/v projection (Phi-3)
                     fused = get(p + f"self_attn.qkv_proj.{kind}")
                     kv = self.shape.num_kv_heads * hd
                     q, k, v = fused.split([self.shape.num_heads * hd, kv, kv])
-                return torch.cat([rows(q, *q_rows), rows(k, *kv_rows), rows(v, *kv_rows)])
+                return [rows(q, *q_rows), rows(k, *kv_rows), rows(v, *kv_rows)]
 
             def gate_up(p: str = p) -> tuple[torch.Tensor, torch.Tensor]:
                 try:
@@ -529,10 +557,10 @@ class LlamaForCausalLM(nn.Module):
                     gate, up = get(p + "mlp.gate_up_proj.weight").chunk(2)
                     return gate, up
 
-            attn.qkv_proj.weight.copy_(qkv("weight"))
+            set_linear(attn, "qkv_proj", qkv("weight"))
             if attn.qkv_proj.bias is not None:
-                attn.qkv_proj.bias.copy_(qkv("bias"))
-            attn.o_proj.weight.copy_(cols(get(p + "self_attn.o_proj.weight"), *q_rows))
+                attn.qkv_proj.bias.copy_(torch.cat(qkv("bias")))
+            set_linear(attn, "o_proj", [cols(get(p + "self_attn.o_proj.weight"), *q_rows)])
             if attn.o_proj.bias is not None:  # added once: rank 0's shard holds it, the others zeros
                 bias = get(p + "self_attn.o_proj.bias")
                 attn.o_proj.bias.copy_(bias if self.tp.rank == 0 else torch.zeros_like(bias))
@@ -540,8 +568,8 @@ class LlamaForCausalLM(nn.Module):
                 norm(attn.q_norm, p + "self_attn.q_norm.weight")
                 norm(attn.k_norm, p + "self_attn.k_norm.weight")
             gate, up = gate_up()
-            layer.mlp.gate_up_proj.weight.copy_(torch.cat([rows(gate, *mlp_rows), rows(up, *mlp_rows)]))
-            layer.mlp.down_proj.weight.copy_(cols(get(p + "mlp.down_proj.weight"), *mlp_rows))
+            set_linear(layer.mlp, "gate_up_proj", [rows(gate, *mlp_rows), rows(up, *mlp_rows)])
+            set_linear(layer.mlp, "down_proj", [cols(get(p + "mlp.down_proj.weight"), *mlp_rows)])
             norm(layer.input_layernorm, p + "input_layernorm.weight")
             norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
             if layer.pre_feedforward_layernorm is not None:

@@ -1,0 +1,495 @@
+// Linear layers and embedding lookups on GGUF-quantized weights, read from their blocks as the file stores
+// them (conveyor.kernels.quant): a quantized model's weights stay the size of its file.
+//
+// Block formats (ggml's, as gguf-py's `quants.py` dequantizes them; every value below is computed with the
+// same float32 operations in the same order, so a dequantized weight equals gguf-py's bit for bit):
+//   Q4_0  32 values, 18 bytes: f16 d, 16 bytes of nibbles             w = d * (q - 8)
+//   Q4_1  32 values, 20 bytes: f16 d, f16 m, 16 bytes of nibbles      w = d * q + m
+//   Q5_0  32 values, 22 bytes: f16 d, u32 high bits, 16 bytes         w = d * (q - 16)
+//   Q5_1  32 values, 24 bytes: f16 d, f16 m, u32 high bits, 16 bytes  w = d * q + m
+//   Q8_0  32 values, 34 bytes: f16 d, 32 int8                         w = q * d
+//   Q4_K 256 values, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 groups of 32,
+//        128 bytes of nibbles                                        w = (d * sc) * q - dmin * mn
+//   Q5_K 256 values, 176 bytes: Q4_K's, plus 32 bytes of fifth bits
+//   Q6_K 256 values, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one
+//        per 16 values), f16 d                                       w = (d * sc) * (q - 32)
+// Nibble q of value j < 16 of a 32-value block is the low half of byte j, of value j + 16 its high half.
+//
+// Packed layout (`pack`): one uint8 tensor, so one weight is one tensor whatever its parts. It starts with
+// int64 words {kMagic, in_features, out_features, num_segments}, then per segment {ggml type, rows, byte
+// offset, bytes per row}, then the segments' blocks, each at a 64-byte aligned offset. A segment is a run of
+// output rows in one format: a fused q/k/v layer of a Q4_K_M file holds Q4_K and Q6_K rows.
+//
+// `linear` computes y = x @ W^T + b two ways (chosen per row count by measurement, see
+// conveyor.kernels.selection): `dot` dequantizes kRows weight rows at a time into a buffer that stays in L1
+// and multiplies every row of x against them (a decode step reads each weight byte once, at its quantized
+// size); `dequant` dequantizes the whole weight and runs one float32 matmul (many rows: the matmul's
+// blocking pays for the extra pass). Sums are float32; only their order differs from a BLAS.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "simd.h"
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+// The op namespace; a test builds this file again for AVX2 and without vectors under other names.
+#ifndef CONVEYOR_QUANT_NAMESPACE
+#define CONVEYOR_QUANT_NAMESPACE conveyor_quant
+#endif
+#define CONVEYOR_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+namespace {
+
+using at::Tensor;
+
+// ggml's type ids (gguf.GGMLQuantizationType).
+enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+constexpr int64_t kMagic = 0x31766e6f63;  // "conv1" in little-endian ASCII: a weight made by `pack`
+constexpr int64_t kHeaderWords = 4, kSegmentWords = 4, kAlign = 64;
+constexpr int64_t kRows = 4;  // weight rows dequantized together by `dot`
+
+struct Format {
+  int64_t values, bytes;  // per block
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: TORCH_CHECK(false, "ggml type ", type, " is not a block format these kernels read");
+  }
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // exact, as the software conversion below
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of group j < 8 (gguf-py's Q4_K.get_scale_min).
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+#if defined(__AVX2__)
+// 32 values `scale * (q - pre) + post` from 32 uint8 q, as 4 x 8 float32 (the scalar formulas' operations,
+// so the same bits).
+inline void emit32(__m256i q, float scale, float pre, float post, float* out) {
+  const __m256 s = _mm256_set1_ps(scale), a = _mm256_set1_ps(pre), b = _mm256_set1_ps(post);
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int h = 0; h < 2; ++h) {
+    for (int e = 0; e < 2; ++e) {
+      const __m128i bytes = e ? _mm_srli_si128(halves[h], 8) : halves[h];
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+      _mm256_storeu_ps(out + h * 16 + e * 8, _mm256_add_ps(_mm256_mul_ps(s, _mm256_sub_ps(v, a)), b));
+    }
+  }
+}
+
+// 16 bytes of nibbles -> 32 uint8: the low halves (values 0-15), then the high halves (16-31).
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), mask), _mm_and_si128(x, mask));
+}
+
+// 32 bytes -> their nibbles at `shift` (0 or 4) as 32 uint8.
+inline __m256i nibbles32(const uint8_t* p, int shift) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_and_si256(_mm256_srl_epi16(x, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(15));
+}
+
+// Bit i of `bits` as 16 in byte i, i < 32.
+inline __m256i bit_fives(uint32_t bits) {
+  // Byte i takes byte i / 8 of bits, then tests its bit i % 8.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+#endif
+
+// One block's values into out (`format_of(type).values` floats).
+inline void dequantize_block(int64_t type, const uint8_t* b, float* __restrict out) {
+  switch (type) {
+    case kQ4_0: {
+      const float d = f16(b);
+      const uint8_t* qs = b + 2;
+#if defined(__AVX2__)
+      emit32(nibbles16(qs), d, 8.0f, 0.0f, out);
+#else
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * static_cast<float>((qs[j] & 15) - 8);
+        out[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+      }
+#endif
+      return;
+    }
+    case kQ4_1: {
+      const float d = f16(b), m = f16(b + 2);
+      const uint8_t* qs = b + 4;
+#if defined(__AVX2__)
+      emit32(nibbles16(qs), d, 0.0f, m, out);
+#else
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * static_cast<float>(qs[j] & 15) + m;
+        out[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+#endif
+      return;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const bool q51 = type == kQ5_1;
+      const float d = f16(b), m = q51 ? f16(b + 2) : 0.0f;
+      const uint32_t qh = u32(b + (q51 ? 4 : 2));
+      const uint8_t* qs = b + (q51 ? 8 : 6);
+      const float pre = q51 ? 0.0f : 16.0f;
+#if defined(__AVX2__)
+      emit32(_mm256_or_si256(nibbles16(qs), bit_fives(qh)), d, pre, m, out);
+#else
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (qs[j] & 15) | static_cast<int>(((qh >> j) & 1u) << 4);
+        const int hi = (qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+        out[j] = d * (static_cast<float>(lo) - pre) + m;
+        out[j + 16] = d * (static_cast<float>(hi) - pre) + m;
+      }
+#endif
+      return;
+    }
+    case kQ8_0: {
+      const float d = f16(b);
+      const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+#if defined(__AVX2__)
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int j = 0; j < 32; j += 8) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + j));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), dv));
+      }
+#else
+      for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(qs[j]) * d;
+#endif
+      return;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const bool q5 = type == kQ5_K;
+      const float d = f16(b), dmin = f16(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (q5 ? 48 : 16);
+      for (int g = 0; g < 8; ++g) {
+        int sc, mn;
+        scale_min_k4(scales, g, sc, mn);
+        const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
+        const uint8_t* q = qs + (g / 2) * 32;
+        const int shift = (g % 2) * 4;
+        float* o = out + g * 32;
+#if defined(__AVX2__)
+        __m256i v = nibbles32(q, shift);
+        if (q5) {
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(g)), _mm256_set1_epi8(1));
+          v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+        }
+        emit32(v, dl, 0.0f, -ml, o);
+#else
+        for (int l = 0; l < 32; ++l) {
+          const int v = ((q[l] >> shift) & 15) | (q5 ? (((qh[l] >> g) & 1) << 4) : 0);
+          o[l] = dl * static_cast<float>(v) - ml;
+        }
+#endif
+      }
+      return;
+    }
+    case kQ6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = f16(b + 208);
+      for (int half = 0; half < 2; ++half) {
+        for (int chunk = 0; chunk < 4; ++chunk) {  // 32 values: low/high nibbles of ql's two 32-byte runs
+          const uint8_t* low = ql + half * 64 + (chunk % 2) * 32;
+          const int low_shift = (chunk / 2) * 4;
+          const uint8_t* high = qh + half * 32;
+          const int high_shift = chunk * 2;
+          const int first = half * 128 + chunk * 32;
+          const float d0 = d * static_cast<float>(scales[first / 16]);
+          const float d1 = d * static_cast<float>(scales[first / 16 + 1]);  // one scale per 16 values
+#if defined(__AVX2__)
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high));
+          const __m256i two = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(high_shift)), _mm256_set1_epi8(3));
+          const __m256i v = _mm256_or_si256(nibbles32(low, low_shift), _mm256_slli_epi16(two, 4));
+          alignas(32) float tmp[32];
+          emit32(v, d0, 32.0f, 0.0f, tmp);
+          std::memcpy(out + first, tmp, 16 * sizeof(float));
+          emit32(v, d1, 32.0f, 0.0f, tmp);
+          std::memcpy(out + first + 16, tmp + 16, 16 * sizeof(float));
+#else
+          for (int l = 0; l < 32; ++l) {
+            const int v = ((low[l] >> low_shift) & 15) | (((high[l] >> high_shift) & 3) << 4);
+            out[first + l] = (l < 16 ? d0 : d1) * static_cast<float>(v - 32);
+          }
+#endif
+        }
+      }
+      return;
+    }
+    default: TORCH_CHECK(false, "ggml type ", type, " is not a block format these kernels read");
+  }
+}
+
+struct Segment {
+  int64_t type, first_row, rows, row_bytes;
+  const uint8_t* data;
+  Format format;
+};
+
+// A packed weight's header, read once per call.
+struct Layout {
+  int64_t in_features = 0, out_features = 0;
+  std::vector<Segment> segments;
+
+  const uint8_t* row(int64_t n, const Segment*& seg) const {
+    for (const Segment& s : segments) {
+      if (n < s.first_row + s.rows) {
+        seg = &s;
+        return s.data + (n - s.first_row) * s.row_bytes;
+      }
+    }
+    TORCH_CHECK(false, "row ", n, " is past the weight's ", out_features, " rows");
+  }
+
+  void dequantize_row(int64_t n, float* out) const {
+    const Segment* seg = nullptr;
+    const uint8_t* p = row(n, seg);
+    const int64_t blocks = in_features / seg->format.values;
+    for (int64_t i = 0; i < blocks; ++i) {
+      dequantize_block(seg->type, p + i * seg->format.bytes, out + i * seg->format.values);
+    }
+  }
+};
+
+Layout read_layout(const Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() >= kHeaderWords * 8,
+              "the weight must be a packed quantized weight (conveyor_quant.pack)");
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  int64_t header[kHeaderWords];
+  std::memcpy(header, base, sizeof(header));
+  TORCH_CHECK(header[0] == kMagic, "the weight must be a packed quantized weight (conveyor_quant.pack)");
+  Layout layout;
+  layout.in_features = header[1];
+  layout.out_features = header[2];
+  int64_t first = 0;
+  for (int64_t s = 0; s < header[3]; ++s) {
+    int64_t w[kSegmentWords];
+    std::memcpy(w, base + (kHeaderWords + s * kSegmentWords) * 8, sizeof(w));
+    layout.segments.push_back({w[0], first, w[1], w[3], base + w[2], format_of(w[0])});
+    first += w[1];
+  }
+  TORCH_CHECK(first == layout.out_features, "a packed weight's segments hold ", first, " rows, not ",
+              layout.out_features);
+  return layout;
+}
+
+// blocks[i]: `[rows_i, row_bytes_i]` uint8, the GGUF tensor's bytes, in ggml type types[i].
+Tensor pack(const std::vector<int64_t>& types, const std::vector<Tensor>& blocks, int64_t in_features) {
+  TORCH_CHECK(!types.empty() && types.size() == blocks.size(), "pack takes one type per block tensor");
+  const int64_t segments = static_cast<int64_t>(types.size());
+  auto align = [](int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
+  int64_t offset = align((kHeaderWords + segments * kSegmentWords) * 8), rows = 0;
+  std::vector<int64_t> words = {kMagic, in_features, 0, segments};
+  for (int64_t s = 0; s < segments; ++s) {
+    const Format f = format_of(types[s]);
+    const Tensor& b = blocks[s];
+    TORCH_CHECK(in_features % f.values == 0, "in_features ", in_features, " is not a whole number of ",
+                f.values, "-value blocks");
+    TORCH_CHECK(b.scalar_type() == at::kByte && b.dim() == 2 && b.size(1) == in_features / f.values * f.bytes,
+                "blocks of type ", types[s], " must be [rows, ", in_features / f.values * f.bytes, "] uint8");
+    words.insert(words.end(), {types[s], b.size(0), offset, b.size(1)});
+    offset = align(offset + b.numel());
+    rows += b.size(0);
+  }
+  words[2] = rows;
+  Tensor packed = at::zeros({offset}, at::kByte);
+  uint8_t* base = packed.data_ptr<uint8_t>();
+  std::memcpy(base, words.data(), words.size() * 8);
+  for (int64_t s = 0; s < segments; ++s) {
+    const Tensor b = blocks[s].contiguous();
+    std::memcpy(base + words[kHeaderWords + s * kSegmentWords + 2], b.data_ptr<uint8_t>(), b.numel());
+  }
+  return packed;
+}
+
+#if defined(CONVEYOR_SIMD_VECTOR)
+using conveyor::simd::Simd;
+using Vec = Simd::Vec;
+#if defined(CONVEYOR_SIMD_AVX512)
+constexpr int kTile = 4;  // rows of x per pass: 16 accumulators + 4 weight vectors + 1 of x
+#else
+constexpr int kTile = 2;  // 8 accumulators + 4 weight vectors + 1 of x of 16 ymm registers
+#endif
+
+// T rows of x `[T, K]` against kRows dequantized weight rows w `[kRows, K]`: out[t * ldo + r], r < rows.
+template <int T>
+void dot_tile(const float* x, int64_t K, const float* w, int64_t rows, const float* bias, float* out, int64_t ldo) {
+  Vec acc[T][kRows];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < kRows; ++r) acc[t][r] = Simd::zero();
+  for (int64_t k = 0; k < K; k += Simd::kLanes) {
+    Vec wv[kRows];
+    for (int r = 0; r < kRows; ++r) wv[r] = Simd::load(w + r * K + k);
+    for (int t = 0; t < T; ++t) {
+      const Vec xv = Simd::load(x + t * K + k);
+      for (int r = 0; r < kRows; ++r) acc[t][r] = Simd::fmadd(xv, wv[r], acc[t][r]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int64_t r = 0; r < rows; ++r) out[t * ldo + r] = Simd::reduce_add(acc[t][r]) + (bias ? bias[r] : 0.0f);
+}
+#else
+constexpr int kTile = 2;
+
+template <int T>
+void dot_tile(const float* x, int64_t K, const float* w, int64_t rows, const float* bias, float* out, int64_t ldo) {
+  for (int t = 0; t < T; ++t) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += x[t * K + k] * w[r * K + k];
+      out[t * ldo + r] = sum + (bias ? bias[r] : 0.0f);
+    }
+  }
+}
+#endif
+
+void dot_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t rows, const float* bias, float* out,
+              int64_t ldo) {
+  int64_t m = 0;
+  for (; m + kTile <= M; m += kTile) dot_tile<kTile>(x + m * K, K, w, rows, bias, out + m * ldo, ldo);
+  for (; m < M; ++m) dot_tile<1>(x + m * K, K, w, rows, bias, out + m * ldo, ldo);
+}
+
+enum Method : int64_t { kDot = 0, kDequant = 1 };
+
+// The whole weight as float32 `[out_features, in_features]`, into `into` (resized as needed).
+void dequantize_into(const Layout& layout, Tensor& into) {
+  if (!into.defined() || into.size(0) != layout.out_features || into.size(1) != layout.in_features) {
+    into = at::empty({layout.out_features, layout.in_features}, at::kFloat);
+  }
+  float* out = into.data_ptr<float>();
+  const int64_t K = layout.in_features;
+  at::parallel_for(0, layout.out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) layout.dequantize_row(n, out + n * K);
+  });
+}
+
+// x `[M, in_features]` float32 or bfloat16 -> `[M, out_features]` in x's dtype.
+Tensor linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t method) {
+  const Layout layout = read_layout(packed);
+  const int64_t K = layout.in_features, N = layout.out_features;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be [num_tokens, ", K, "] float32 or bfloat16");
+  Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must be [", N, "]");
+  }
+  const Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  Tensor out;
+  if (method == kDequant) {
+    // One scratch weight per thread that calls (the engine's step thread): reused, not reallocated.
+    thread_local Tensor scratch;
+    dequantize_into(layout, scratch);
+    out = at::linear(xf, scratch, b.defined() ? c10::optional<Tensor>(b) : c10::nullopt);
+  } else {
+    TORCH_CHECK(method == kDot, "method must be 0 (dot) or 1 (dequant)");
+    out = at::empty({M, N}, at::kFloat);
+    const float* xp = xf.data_ptr<float>();
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    float* op = out.data_ptr<float>();
+    const int64_t groups = (N + kRows - 1) / kRows;
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> w(kRows * K, 0.0f);
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t n0 = g * kRows, rows = std::min(kRows, N - n0);
+        for (int64_t r = 0; r < rows; ++r) layout.dequantize_row(n0 + r, w.data() + r * K);
+        dot_rows(xp, M, K, w.data(), rows, bp ? bp + n0 : nullptr, op + n0, N);
+      }
+    });
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// Rows `ids` `[num_tokens]` int64 of the weight (an embedding table) as float32 `[num_tokens, in_features]`.
+Tensor embedding(const Tensor& packed, const Tensor& ids) {
+  const Layout layout = read_layout(packed);
+  const Tensor idx = ids.to(at::kLong).contiguous();
+  const int64_t T = idx.numel(), K = layout.in_features;
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < layout.out_features, "token id ", ip[t], " is outside the table's ",
+                layout.out_features, " rows");
+  }
+  Tensor out = at::empty({T, K}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) layout.dequantize_row(ip[t], op + t * K);
+  });
+  return out;
+}
+
+Tensor dequantize(const Tensor& packed) {
+  Tensor out;
+  dequantize_into(read_layout(packed), out);
+  return out;
+}
+
+std::string isa() { return conveyor::simd::kIsa; }
+
+}  // namespace
+
+CONVEYOR_LIBRARY(CONVEYOR_QUANT_NAMESPACE, m) {
+  m.def("pack(int[] types, Tensor[] blocks, int in_features) -> Tensor", &pack);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int method) -> Tensor", &linear);
+  m.def("embedding(Tensor packed, Tensor ids) -> Tensor", &embedding);
+  m.def("dequantize(Tensor packed) -> Tensor", &dequantize);
+  m.def("isa() -> str", &isa);
+}

@@ -1,0 +1,208 @@
+"""GGUF-quantized weights kept in their blocks, and the layers that compute with them on a CPU.
+
+Decode reads every weight once per step, so on a CPU its speed is bounded by memory bandwidth over the
+weights' bytes: a Q4_1 layer is read at about a sixth of its float32 size. A `QuantizedWeight` is a linear
+layer's (or an embedding table's) weight as a GGUF file stores it: runs of output rows, each run in one
+block format (ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; a fused q/k/v layer of a Q4_K_M file
+mixes Q4_K and Q6_K rows). `QuantizedLinear` and `QuantizedEmbedding` compute with it through the C++
+kernels of `csrc/quant.cpp`, which dequantize blocks as they read them (their layout and formulas are
+documented there). The reference is gguf-py's own dequantization (`QuantizedWeight.dequantize`), which
+`csrc/quant.cpp` reproduces bit for bit.
+
+A `QuantizedLinear` computes one of two ways, `dot` (decode rows: each weight byte read once) and
+`dequant` (many rows: dequantize, then one float32 matmul); `conveyor.kernels.selection` times both per
+layer shape and row count, as it does the float kernels, and dispatches by the step's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+# The block formats `csrc/quant.cpp` reads (the others are dequantized at load).
+BLOCK_TYPES = frozenset(
+    {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+METHODS = {"dot": 0, "dequant": 1}  # csrc/quant.cpp's Method
+
+
+def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes of one row of `in_features` values in `qtype`. Raises ValueError when the row is not a
+    whole number of blocks."""
+    values, size = GGML_QUANT_SIZES[qtype]
+    if in_features % values:
+        raise ValueError(f"{in_features} values are not a whole number of {qtype.name} blocks of {values}")
+    return in_features // values * size
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight `[out_features, in_features]` in GGUF block formats.
+
+    segments: runs of output rows, each `(ggml type, blocks)` with blocks `[rows, row_bytes]` uint8 (the
+    file's bytes for those rows, e.g. a memory map). Rows can be sliced, split and concatenated (a fused
+    q/k/v layer is its three weights' rows in order); values only change by `dequantize`.
+    Raises ValueError when a segment's bytes do not match `in_features`.
+    """
+
+    segments: tuple[tuple[GGMLQuantizationType, torch.Tensor], ...]
+    in_features: int
+
+    def __post_init__(self) -> None:
+        for qtype, blocks in self.segments:
+            if qtype not in BLOCK_TYPES:
+                raise ValueError(f"{qtype.name} is not a block format the CPU kernels read")
+            expected = row_bytes(qtype, self.in_features)
+            if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != expected:
+                raise ValueError(
+                    f"{qtype.name} rows of {self.in_features} values are {expected} bytes; got a "
+                    f"{blocks.dtype} tensor of shape {tuple(blocks.shape)}"
+                )
+
+    @property
+    def out_features(self) -> int:
+        return sum(blocks.shape[0] for _, blocks in self.segments)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(blocks.numel() for _, blocks in self.segments)
+
+    def type_names(self) -> str:
+        """The formats of the rows, in order, each once: `Q4_K+Q6_K`."""
+        return "+".join(dict.fromkeys(qtype.name for qtype, _ in self.segments))
+
+    def rows(self, start: int, count: int) -> QuantizedWeight:
+        """Rows `[start, start + count)`."""
+        segments, first = [], 0
+        for qtype, blocks in self.segments:
+            lo, hi = max(start - first, 0), min(start + count - first, blocks.shape[0])
+            if lo < hi:
+                segments.append((qtype, blocks[lo:hi]))
+            first += blocks.shape[0]
+        return QuantizedWeight(tuple(segments), self.in_features)
+
+    def split(self, sizes: Sequence[int]) -> list[QuantizedWeight]:
+        """Consecutive row runs of `sizes` rows (as `torch.Tensor.split` with a list)."""
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.rows(start, size) for start, size in zip(starts, sizes, strict=True)]
+
+    def chunk(self, chunks: int) -> list[QuantizedWeight]:
+        """`chunks` equal row runs."""
+        return self.split([self.out_features // chunks] * chunks)
+
+    @staticmethod
+    def cat(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """The rows of `parts` in order (all with the same in_features). Raises ValueError otherwise."""
+        if len({part.in_features for part in parts}) != 1:
+            raise ValueError("concatenated weights must have the same in_features")
+        return QuantizedWeight(tuple(s for part in parts for s in part.segments), parts[0].in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """`[out_features, in_features]` float32, by gguf-py's dequantization (the reference)."""
+        rows = [
+            torch.from_numpy(gguf_dequantize(blocks.numpy(), qtype)).reshape(-1, self.in_features)
+            for qtype, blocks in self.segments
+        ]
+        return torch.cat(rows)
+
+    def pack(self) -> torch.Tensor:
+        """The one uint8 tensor the C++ kernels read (layout in `csrc/quant.cpp`); a copy of the blocks.
+        Needs the C++ CPU kernels (`cpu.load_library`)."""
+        return torch.ops.conveyor_quant.pack(
+            [int(qtype) for qtype, _ in self.segments],
+            [blocks.contiguous() for _, blocks in self.segments],
+            self.in_features,
+        )
+
+
+class QuantizedLinear(nn.Module):
+    """`y = x @ W.T + bias` with W a `QuantizedWeight` packed for the C++ kernels (`csrc/quant.cpp`).
+
+    x: `[num_tokens, in_features]` float32 or bfloat16 -> `[num_tokens, out_features]` in x's dtype, sums
+    in float32. method: `dot` or `dequant` (see the module docstring); `with_method` makes the other one
+    over the same packed bytes. Needs the C++ CPU kernels. Raises ValueError for an unknown method.
+    """
+
+    def __init__(
+        self,
+        weight: QuantizedWeight | None,
+        bias: torch.Tensor | None = None,
+        method: str = "dot",
+        *,
+        packed: torch.Tensor | None = None,
+        shape: tuple[int, int] | None = None,
+        types: str = "",
+    ) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {sorted(METHODS)}, not {method!r}")
+        if weight is not None:
+            packed, shape, types = weight.pack(), weight.shape, weight.type_names()
+        assert packed is not None and shape is not None
+        self.out_features, self.in_features = shape
+        self.types, self.method = types, method
+        self.register_buffer("packed", packed, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def with_method(self, method: str) -> QuantizedLinear:
+        """The same layer computing by `method`, sharing the packed weight and bias."""
+        return QuantizedLinear(
+            None,
+            self.bias,
+            method,
+            packed=self.packed,
+            shape=(self.out_features, self.in_features),
+            types=self.types,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.conveyor_quant.linear(x, self.packed, bias, METHODS[self.method])
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, weight={self.types}, "
+            f"method={self.method}"
+        )
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept quantized: ids `[num_tokens]` int64 -> `[num_tokens, embedding_dim]`
+    float32 (the rows dequantized; the caller casts). `packed` may be shared with a tied LM head's
+    `QuantizedLinear`. Raises RuntimeError for an id outside the table."""
+
+    def __init__(self, linear: QuantizedLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = linear.out_features, linear.in_features
+        self.types = linear.types
+        self.register_buffer("packed", linear.packed, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.conveyor_quant.embedding(self.packed, input_ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, weight={self.types}"
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`QuantizedLinear`'s result by the reference: gguf-py's dequantized weight in a float32 matmul,
+    cast to x's dtype."""
+    return torch.nn.functional.linear(x.float(), weight.dequantize(), bias).to(x.dtype)

@@ -1,0 +1,145 @@
+"""The C++ kernels on GGUF blocks (`kernels/csrc/quant.cpp`, `conveyor.kernels.quant`) against gguf-py's own
+dequantization, for every block format, in the machine's own build and in an AVX2 and a scalar build of the same
+source (compiled here under other op namespaces, so an AVX-512 machine checks the paths an AVX2 one runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from conveyor.kernels import cpu
+from conveyor.kernels.quant import BLOCK_TYPES, QuantizedLinear, QuantizedWeight
+from tests.integration.conftest import cpu_build_ops
+
+BUILDS = {
+    "native": None,
+    "avx2": ("conveyor_quant_avx2", ["-O3", "-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]),
+    "scalar": ("conveyor_quant_scalar", ["-O3", "-mno-avx", "-mno-avx2", "-mno-f16c"]),
+}
+TYPES = sorted(BLOCK_TYPES)
+NUM_TOKENS = [1, 2, 3, 5, 8, 17, 64]
+# Where a format's scale fields sit in its block: (offset, count) of float16 values.
+SCALES = {
+    GGMLQuantizationType.Q4_0: (0, 1),
+    GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q5_0: (0, 1),
+    GGMLQuantizationType.Q5_1: (0, 2),
+    GGMLQuantizationType.Q8_0: (0, 1),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208, 1),
+}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def ops(request: pytest.FixtureRequest):
+    """The `conveyor_quant` ops of one build (compiled on first use, cached like the server's)."""
+    return cpu_build_ops("quant.cpp", "CONVEYOR_QUANT_NAMESPACE", BUILDS[request.param], "conveyor_quant")
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, in_features: int, seed: int) -> torch.Tensor:
+    """`[rows, row_bytes]` random blocks of `qtype` (every bit random) with finite float16 scales."""
+    rng = np.random.default_rng(seed)
+    values, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, in_features // values, size), dtype=np.uint8)
+    offset, count = SCALES[qtype]
+    scales = (rng.standard_normal((rows, in_features // values, count)) * 0.05).astype(np.float16)
+    blocks[..., offset : offset + 2 * count] = scales.view(np.uint8)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def weight(qtype: GGMLQuantizationType, rows: int, in_features: int, seed: int = 0) -> QuantizedWeight:
+    return QuantizedWeight(((qtype, random_blocks(qtype, rows, in_features, seed)),), in_features)
+
+
+def pack(ops, w: QuantizedWeight) -> torch.Tensor:
+    return ops.pack([int(t) for t, _ in w.segments], [b for _, b in w.segments], w.in_features)
+
+
+def test_each_build_runs_its_own_instruction_set(ops, request: pytest.FixtureRequest):
+    build = request.node.callspec.params["ops"]
+    native = "avx512" if torch.cpu._is_avx512_supported() else "avx2"
+    assert ops.isa() == (native if build == "native" else build)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_dequantization_equals_gguf_bit_for_bit(ops, qtype):
+    w = weight(qtype, 37, 512, seed=int(qtype))
+    assert torch.equal(ops.dequantize(pack(ops, w)), w.dequantize())
+    ids = torch.tensor([36, 0, 5, 5, 17])
+    assert torch.equal(ops.embedding(pack(ops, w), ids), w.dequantize()[ids])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_linear_matches_a_float64_matmul_by_both_methods(ops, qtype):
+    in_features = 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 96  # 3 blocks either way
+    w = weight(qtype, 41, in_features, seed=int(qtype) + 100)
+    dense = w.dequantize().double()
+    packed = pack(ops, w)
+    bias = torch.randn(41)
+    scale = dense.abs().max().item()
+    for num_tokens in NUM_TOKENS:
+        x = torch.randn(num_tokens, in_features)
+        truth = F.linear(x.double(), dense, bias.double())
+        for method in (0, 1):
+            out = ops.linear(x, packed, bias, method)
+            assert out.shape == (num_tokens, 41) and out.dtype == torch.float32
+            torch.testing.assert_close(out.double(), truth, rtol=1e-5, atol=1e-5 * in_features**0.5 * scale)
+        # bfloat16 activations: the same float32 sums, rounded once.
+        out = ops.linear(x.bfloat16(), packed, None, 0)
+        assert out.dtype == torch.bfloat16
+        truth = F.linear(x.bfloat16().double(), dense)
+        torch.testing.assert_close(out.double(), truth, rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_a_fused_layer_mixes_formats_row_by_row(ops):
+    """A Q4_K_M file's q/k/v: Q4_K rows, then Q6_K rows, then Q4_K again, one packed weight."""
+    q = weight(GGMLQuantizationType.Q4_K, 10, 256, seed=1)
+    k = weight(GGMLQuantizationType.Q6_K, 3, 256, seed=2)
+    v = weight(GGMLQuantizationType.Q4_K, 5, 256, seed=3)
+    fused = QuantizedWeight.cat([q, k, v])
+    assert fused.shape == (18, 256) and fused.type_names() == "Q4_K+Q6_K"
+    dense = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    assert torch.equal(ops.dequantize(pack(ops, fused)), dense)
+    x = torch.randn(4, 256)
+    torch.testing.assert_close(
+        ops.linear(x, pack(ops, fused), None, 0).double(), x.double() @ dense.double().T, rtol=1e-5, atol=1e-3
+    )
+    # Slicing and splitting keep the rows' bytes.
+    parts = fused.split([10, 3, 5])
+    assert [p.type_names() for p in parts] == ["Q4_K", "Q6_K", "Q4_K"]
+    assert torch.equal(parts[1].dequantize(), k.dequantize())
+    assert torch.equal(fused.rows(8, 4).dequantize(), dense[8:12])
+
+
+def test_bad_input_is_refused_with_the_reason(ops):
+    w = weight(GGMLQuantizationType.Q4_0, 4, 64)
+    packed = pack(ops, w)
+    with pytest.raises(RuntimeError, match=r"x must be \[num_tokens, 64\]"):
+        ops.linear(torch.randn(2, 32), packed, None, 0)
+    with pytest.raises(RuntimeError, match="packed quantized weight"):
+        ops.linear(torch.randn(2, 64), torch.zeros(64, dtype=torch.uint8), None, 0)
+    with pytest.raises(RuntimeError, match="token id 4 is outside the table's 4 rows"):
+        ops.embedding(packed, torch.tensor([0, 4]))
+    with pytest.raises(RuntimeError, match="not a whole number of 32-value blocks"):
+        ops.pack([int(GGMLQuantizationType.Q4_0)], [torch.zeros(4, 18, dtype=torch.uint8)], 40)
+    with pytest.raises(ValueError, match="Q4_0 rows of 64 values are 36 bytes"):
+        QuantizedWeight(((GGMLQuantizationType.Q4_0, torch.zeros(4, 18, dtype=torch.uint8)),), 64)
+    with pytest.raises(ValueError, match="not a block format"):
+        QuantizedWeight(((GGMLQuantizationType.IQ2_XS, torch.zeros(1, 1, dtype=torch.uint8)),), 256)
+
+
+def test_the_layer_modules_share_one_packed_weight():
+    cpu.load_library()
+    w = weight(GGMLQuantizationType.Q8_0, 6, 64)
+    layer = QuantizedLinear(w, torch.randn(6))
+    other = layer.with_method("dequant")
+    assert other.packed.data_ptr() == layer.packed.data_ptr()
+    assert other.bias.data_ptr() == layer.bias.data_ptr()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), other(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="method must be one of"):
+        layer.with_method("fast")
