@@ -73,7 +73,8 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     """
     mc, cc, sc = config.model, config.cache, config.scheduler
     device = pick_device(config.device.device)
-    source = loader.converted(loader.resolve_model(mc.model))
+    # A start that reads a GGUF's blocks needs only its config and tokenizer converted.
+    source = loader.converted(loader.resolve_model(mc.model), weights=mc.quantization is None)
     hf_config = loader.load_config(source)
     impl = loader.choose_impl(mc.model_impl, hf_config)
     shape = (

@@ -134,11 +134,13 @@ def cache_root() -> Path:
     return Path(base) / "conveyor" / "models"
 
 
-def converted(source: ModelSource) -> ModelSource:
+def converted(source: ModelSource, weights: bool = True) -> ModelSource:
     """`source` itself unless it is a GGUF file; then the same model in Hugging Face layout, converted
-    once into `cache_root()` (see the module docstring). Concurrent first starts each convert into a
-    temporary folder and the first rename wins. An unwritable cache is logged and the GGUF is read
-    directly (slow but correct)."""
+    once into `cache_root()` (see the module docstring). With `weights=False` only the config and the
+    tokenizer (a start that reads the GGUF's blocks itself, `--quantization gguf`, or the router): no
+    float32 copy of the model is made, in memory or on disk; a later call with weights adds them.
+    Concurrent first starts each convert into a temporary folder and the first rename wins. An
+    unwritable cache is logged and the GGUF is read directly (slow but correct)."""
     if source.gguf_file is None:
         return source
     gguf = Path(source.path) / source.gguf_file
@@ -147,10 +149,13 @@ def converted(source: ModelSource) -> ModelSource:
     stat = gguf.stat()
     key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     target = cache_root() / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    done = replace(source, path=str(target), gguf_file=None)
     if (target / "config.json").is_file():
-        return replace(source, path=str(target), gguf_file=None)
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        if weights and not (target / WEIGHTS_FILE).is_file():
+            logger.info("converting the weights of %s to float32 in %s (once per file)", gguf.name, target)
+            _save_weights(source, target)
+        return done
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     logger.info("converting %s to Hugging Face layout in %s (once per file)", gguf.name, target)
     try:
@@ -161,18 +166,16 @@ def converted(source: ModelSource) -> ModelSource:
         return source
     try:
         AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file).save_pretrained(tmp)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, gguf_file=source.gguf_file, dtype=torch.float32
-        )
+        config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
         # transformers refuses to `save_pretrained` a model it marks GGUF-quantized, though its weights
-        # are plain float32 by now: save the config without that mark and the weights with safetensors.
-        config = model.config
+        # are plain float32 once loaded: save the config without that mark.
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        config.dtype = torch.float32  # the dtype of the weights the copy holds (or will)
         config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del model
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if weights:
+            _save_weights(source, tmp)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp makes it private; the cache may be shared
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
@@ -180,9 +183,30 @@ def converted(source: ModelSource) -> ModelSource:
         except OSError:
             if not (target / "config.json").is_file():  # not another process's finished conversion
                 raise
+            if weights and not (target / WEIGHTS_FILE).is_file():  # theirs has no weights
+                _save_weights(source, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return replace(source, path=str(target), gguf_file=None)
+    return done
+
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _save_weights(source: ModelSource, directory: Path) -> None:
+    """The GGUF's weights, dequantized to float32 by transformers, as `directory/model.safetensors`
+    (written under a temporary name, then renamed: a reader never sees half a file)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    partial = directory / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+    try:
+        save_model(model, str(partial), metadata={"format": "pt"})
+        partial.chmod(0o644)
+        partial.replace(directory / WEIGHTS_FILE)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def load_config(source: ModelSource):

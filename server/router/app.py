@@ -378,7 +378,7 @@ def load_router_tokenizer(source: str | None):
     from conveyor.server.model.loader import converted, load_tokenizer, resolve_model
 
     model = resolve_model(source)
-    return load_tokenizer(converted(model)), model.default_name
+    return load_tokenizer(converted(model, weights=False)), model.default_name
 
 
 def build_parser(

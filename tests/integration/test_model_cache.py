@@ -6,6 +6,7 @@ with transformers reading the GGUF directly."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,20 @@ def test_conversion_is_the_same_model_and_is_reused(tmp_path, monkeypatch, embed
     weights = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).state_dict()
     assert gguf_weights.keys() == weights.keys()
     assert all(torch.equal(gguf_weights[k], weights[k]) for k in weights)
+
+
+def test_a_start_without_float_weights_converts_only_config_and_tokenizer(tmp_path, monkeypatch, embedded):
+    """`--quantization gguf` and the router need no float32 copy of the model: none is made until a
+    start asks for the weights, which then go into the same folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    source = loader.converted(embedded, weights=False)
+    files = sorted(p.name for p in Path(source.path).iterdir())
+    assert "config.json" in files and "tokenizer.json" in files and loader.WEIGHTS_FILE not in files
+    assert loader.load_config(source).num_hidden_layers == 30
+    assert loader.converted(embedded, weights=False) == source
+    assert loader.converted(embedded) == source
+    assert (Path(source.path) / loader.WEIGHTS_FILE).is_file()
+    assert sorted(p.name for p in Path(source.path).iterdir()) == sorted([*files, loader.WEIGHTS_FILE])
 
 
 def test_unwritable_cache_reads_the_gguf(tmp_path, monkeypatch, caplog, embedded):
