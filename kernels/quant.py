@@ -9,9 +9,12 @@ kernels of `csrc/quant.cpp`, which dequantize blocks as they read them (their la
 documented there). The reference is gguf-py's own dequantization (`QuantizedWeight.dequantize`), which
 `csrc/quant.cpp` reproduces bit for bit.
 
-A `QuantizedLinear` computes one of two ways, `dot` (decode rows: each weight byte read once) and
-`dequant` (many rows: dequantize, then one float32 matmul); `conveyor.kernels.selection` times both per
-layer shape and row count, as it does the float kernels, and dispatches by the step's rows.
+A `QuantizedLinear` computes one of three ways: `dot` (decode rows: each weight byte read once, its
+values dequantized to float32 in L1), `dequant` (many rows: dequantize, then one float32 matmul), both
+with the reference's exact weights, and `int8` (x rounded to int8 per 32 values, integer dot products
+with the blocks, as llama.cpp computes; AVX2 builds only; outputs move by x's rounding, about 0.4 %).
+`conveyor.kernels.selection` times them per layer shape and row count, as it does the float kernels,
+and dispatches by the step's rows (`CONVEYOR_CPU_KERNELS=q-dot,q-dequant@9` keeps the exact ones).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ BLOCK_TYPES = frozenset(
         GGMLQuantizationType.Q6_K,
     }
 )
-METHODS = {"dot": 0, "dequant": 1}  # csrc/quant.cpp's Method
+METHODS = {"dot": 0, "dequant": 1, "int8": 2}  # csrc/quant.cpp's Method
 
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
@@ -139,6 +142,7 @@ class QuantizedLinear(nn.Module):
     x: `[num_tokens, in_features]` float32 or bfloat16 -> `[num_tokens, out_features]` in x's dtype, sums
     in float32. method: `dot` or `dequant` (see the module docstring); `with_method` makes the other one
     over the same packed bytes. Needs the C++ CPU kernels. Raises ValueError for an unknown method.
+    `int8` rounds x to int8 per 32 values first (see the module docstring).
     """
 
     def __init__(
@@ -200,6 +204,11 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, weight={self.types}"
+
+
+def int8_supported() -> bool:
+    """True when the C++ kernels were built with the int8 method (AVX2 and FMA)."""
+    return bool(torch.ops.conveyor_quant.int8_dot())
 
 
 def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

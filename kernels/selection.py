@@ -14,8 +14,8 @@ torch's version and thread count, the dtype, the shape and the linear kernel's s
 CPU, build or kernel measures again and a restart reads them back in milliseconds.
 
 A GGUF-quantized layer (`quant.QuantizedLinear`) has its own candidates over the same packed bytes,
-`q-dot` and `q-dequant` (see `conveyor.kernels.quant`), measured the same way, keyed also by its block
-formats.
+`q-dot`, `q-dequant` and `q-int8` (see `conveyor.kernels.quant`), measured the same way, keyed also
+by its block formats.
 
 Every layer is then replaced by the one candidate its table names, or, where the table names several,
 by a `SelectedLinear` that picks by the row count of each call. `CONVEYOR_CPU_KERNELS` overrides the
@@ -53,11 +53,20 @@ TABLE_VERSION = 1
 
 Shape = tuple[int, int]  # (in_features, out_features)
 Factory = Callable[[nn.Module], nn.Module]  # an nn.Linear or a quant.QuantizedLinear -> its kernel
-# The candidates of a quantized layer, over its packed bytes (no copy).
-QUANTIZED_FACTORIES: dict[str, Factory] = {
-    "q-dot": lambda layer: layer.with_method("dot"),
-    "q-dequant": lambda layer: layer.with_method("dequant"),
-}
+
+
+def quantized_factories() -> dict[str, Factory]:
+    """The candidates of a quantized layer (`quant.QuantizedLinear`), over its packed bytes (no copy):
+    `q-dot`, `q-dequant`, and `q-int8` where the C++ build has it."""
+    from conveyor.kernels import quant
+
+    factories: dict[str, Factory] = {
+        "q-dot": lambda layer: layer.with_method("dot"),
+        "q-dequant": lambda layer: layer.with_method("dequant"),
+    }
+    if quant.int8_supported():
+        factories["q-int8"] = lambda layer: layer.with_method("int8")
+    return factories
 
 
 @dataclass(frozen=True)
@@ -341,7 +350,8 @@ def select_linear_kernels(
     that names no layer's candidates, or a bad one."""
     from conveyor.kernels.quant import QuantizedLinear
 
-    kinds = {"": candidate_factories(dtype, panel), "quantized": QUANTIZED_FACTORIES}
+    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    kinds = {"": candidate_factories(dtype, panel), "quantized": quantized_factories() if quantized else {}}
     override = os.environ.get(OVERRIDE_ENV, "").strip()
     forced: dict[str, RowDispatch] = {}
     if override:

@@ -36,7 +36,7 @@ namespace {
 
 using at::Tensor;
 
-enum LinearKind : int64_t { kPlain = 0, kOneDNN = 1, kPanel = 2, kQuantDot = 3, kQuantDequant = 4 };
+enum LinearKind : int64_t { kPlain = 0, kOneDNN = 1, kPanel = 2, kQuantDot = 3, kQuantDequant = 4, kQuantInt8 = 5 };
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, int64_t kind,
@@ -59,7 +59,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
       return op.call(x, weight, bias, out_features);
     }
     case kQuantDot:
-    case kQuantDequant: {  // quant.cpp's `linear`, its method being kind - kQuantDot
+    case kQuantDequant:
+    case kQuantInt8: {  // quant.cpp's `linear`, its method being kind - kQuantDot
       static auto op = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("conveyor_quant::linear", "")
                            .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t)>();

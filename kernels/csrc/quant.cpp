@@ -406,7 +406,176 @@ void dot_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t rows
   for (; m < M; ++m) dot_tile<1>(x + m * K, K, w, rows, bias, out + m * ldo, ldo);
 }
 
-enum Method : int64_t { kDot = 0, kDequant = 1 };
+#if defined(__AVX2__) && defined(__FMA__)
+#define CONVEYOR_QUANT_INT8 1
+// ---- int8: x quantized per 32 values, integer dot products (llama.cpp's Q8_1 activations) ----
+//
+// Each 32 values of a row of x become int8 q = round(x / d) (to nearest even) with d = max|x| / 127, and
+// s = d * sum(q); a weight group of 32 values becomes signed int8 values v with a float32 scale per 16
+// values (w = scale * v + min), so sum(w * x) over the group is scale * d * sum(v * q) + min * s. The
+// integer sums take one `maddubs` for 32 products (|v| * sign(q, v), both within int8: no int16
+// overflow). Results differ from the float path by x's rounding to 8 bits (about 0.4 % per block).
+constexpr int kInt8Tile = 4;  // rows of x per pass over a weight row
+
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float sum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+struct QuantizedX {
+  std::vector<int8_t> q;  // [M, K]
+  std::vector<float> d, s;  // [M, K / 32]
+};
+
+void quantize_x(const float* x, int64_t M, int64_t K, QuantizedX& out) {
+  const int64_t blocks = M * K / 32;
+  out.q.resize(M * K);
+  out.d.resize(blocks);
+  out.s.resize(blocks);
+  at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* xp = x + b * 32;
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xp + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      }
+      const float max = max8(amax);
+      const float d = max / 127.0f;
+      const __m256 id = _mm256_set1_ps(max != 0.0f ? 127.0f / max : 0.0f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) {
+        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      }
+      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+      // packs interleave the 128-bit lanes; the permutation puts the 32 values back in order.
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + b * 32), packed);
+      out.d[b] = d;
+      out.s[b] = d * static_cast<float>(_mm_cvtsi128_si32(t));
+    }
+  });
+}
+
+// Calls f(group, v, scale, min) for each 32-value group of a weight row: v the signed int8 values,
+// scale float32 lanes 0-3 for values 0-15 and 4-7 for 16-31 (the lanes of a `madd` of products), min the
+// value added to every weight of the group (0 for symmetric formats).
+template <typename F>
+inline void for_each_group(int64_t type, const uint8_t* row, int64_t K, F&& f) {
+  const Format fmt = format_of(type);
+  const int64_t blocks = K / fmt.values;
+  switch (type) {
+    case kQ4_0:
+    case kQ4_1:
+    case kQ5_0:
+    case kQ5_1:
+    case kQ8_0:
+      for (int64_t i = 0; i < blocks; ++i) {
+        const uint8_t* b = row + i * fmt.bytes;
+        const float d = f16(b);
+        __m256i v;
+        float min = 0.0f;
+        if (type == kQ4_0) {
+          v = _mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8));
+        } else if (type == kQ4_1) {
+          v = nibbles16(b + 4);
+          min = f16(b + 2);
+        } else if (type == kQ5_0) {
+          v = _mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), bit_fives(u32(b + 2))), _mm256_set1_epi8(16));
+        } else if (type == kQ5_1) {
+          v = _mm256_or_si256(nibbles16(b + 8), bit_fives(u32(b + 4)));
+          min = f16(b + 2);
+        } else {
+          v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        }
+        f(i, v, _mm256_set1_ps(d), min);
+      }
+      return;
+    case kQ4_K:
+    case kQ5_K:
+      for (int64_t i = 0; i < blocks; ++i) {
+        const uint8_t* b = row + i * fmt.bytes;
+        const bool q5 = type == kQ5_K;
+        const float d = f16(b), dmin = f16(b + 2);
+        const uint8_t* qs = b + (q5 ? 48 : 16);
+        const __m256i qh = q5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          int sc, mn;
+          scale_min_k4(b + 4, g, sc, mn);
+          __m256i v = nibbles32(qs + (g / 2) * 32, (g % 2) * 4);
+          if (q5) {
+            const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)), _mm256_set1_epi8(1));
+            v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+          }
+          f(i * 8 + g, v, _mm256_set1_ps(d * static_cast<float>(sc)), -(dmin * static_cast<float>(mn)));
+        }
+      }
+      return;
+    case kQ6_K:
+      for (int64_t i = 0; i < blocks; ++i) {
+        const uint8_t* b = row + i * fmt.bytes;
+        const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+        const float d = f16(b + 208);
+        for (int half = 0; half < 2; ++half) {
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
+          for (int chunk = 0; chunk < 4; ++chunk) {
+            const __m256i two = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(chunk * 2)), _mm256_set1_epi8(3));
+            const __m256i low = nibbles32(b + half * 64 + (chunk % 2) * 32, (chunk / 2) * 4);
+            const __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(two, 4)), _mm256_set1_epi8(32));
+            const int first = half * 128 + chunk * 32;
+            const __m256 scale = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(scales[first / 16 + 1])),
+                                                 _mm_set1_ps(d * static_cast<float>(scales[first / 16])));
+            f(i * 8 + half * 4 + chunk, v, scale, 0.0f);
+          }
+        }
+      }
+      return;
+    default: TORCH_CHECK(false, "ggml type ", type, " is not a block format these kernels read");
+  }
+}
+
+// Rows [m, m + T) of the quantized x against weight row n: out[t * ldo].
+template <int T>
+void int8_row(const Layout& layout, int64_t n, const QuantizedX& xq, int64_t m, float bias, float* out, int64_t ldo) {
+  const int64_t K = layout.in_features, groups = K / 32;
+  const Segment* seg = nullptr;
+  const uint8_t* row = layout.row(n, seg);
+  __m256 acc[T];
+  float mins[T];
+  for (int t = 0; t < T; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    mins[t] = 0.0f;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for_each_group(seg->type, row, K, [&](int64_t g, __m256i v, __m256 scale, float min) {
+    const __m256i magnitude = _mm256_sign_epi8(v, v);
+    for (int t = 0; t < T; ++t) {
+      const int64_t block = (m + t) * groups + g;
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + block * 32));
+      const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, v));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+      acc[t] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, _mm256_set1_ps(xq.d[block])), acc[t]);
+      mins[t] += min * xq.s[block];
+    }
+  });
+  for (int t = 0; t < T; ++t) out[t * ldo] = sum8(acc[t]) + mins[t] + bias;
+}
+#endif
+
+enum Method : int64_t { kDot = 0, kDequant = 1, kInt8 = 2 };
 
 // The whole weight as float32 `[out_features, in_features]`, into `into` (resized as needed).
 void dequantize_into(const Layout& layout, Tensor& into) {
@@ -439,8 +608,29 @@ Tensor linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>
     thread_local Tensor scratch;
     dequantize_into(layout, scratch);
     out = at::linear(xf, scratch, b.defined() ? c10::optional<Tensor>(b) : c10::nullopt);
+  } else if (method == kInt8) {
+#if defined(CONVEYOR_QUANT_INT8)
+    // Reused by the thread that calls; the workers below read it through this reference (a lambda
+    // naming a thread_local would reach each worker's own, empty one).
+    thread_local QuantizedX scratch_x;
+    QuantizedX& xq = scratch_x;
+    quantize_x(xf.data_ptr<float>(), M, K, xq);
+    out = at::empty({M, N}, at::kFloat);
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const float bias_n = bp ? bp[n] : 0.0f;
+        int64_t m = 0;
+        for (; m + kInt8Tile <= M; m += kInt8Tile) int8_row<kInt8Tile>(layout, n, xq, m, bias_n, op + m * N + n, N);
+        for (; m < M; ++m) int8_row<1>(layout, n, xq, m, bias_n, op + m * N + n, N);
+      }
+    });
+#else
+    TORCH_CHECK(false, "the int8 method needs AVX2 (this build is ", conveyor::simd::kIsa, ")");
+#endif
   } else {
-    TORCH_CHECK(method == kDot, "method must be 0 (dot) or 1 (dequant)");
+    TORCH_CHECK(method == kDot, "method must be 0 (dot), 1 (dequant) or 2 (int8)");
     out = at::empty({M, N}, at::kFloat);
     const float* xp = xf.data_ptr<float>();
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -484,6 +674,13 @@ Tensor dequantize(const Tensor& packed) {
 
 std::string isa() { return conveyor::simd::kIsa; }
 
+#if defined(CONVEYOR_QUANT_INT8)
+constexpr bool kHasInt8 = true;
+#else
+constexpr bool kHasInt8 = false;
+#endif
+bool int8_dot() { return kHasInt8; }
+
 }  // namespace
 
 CONVEYOR_LIBRARY(CONVEYOR_QUANT_NAMESPACE, m) {
@@ -492,4 +689,5 @@ CONVEYOR_LIBRARY(CONVEYOR_QUANT_NAMESPACE, m) {
   m.def("embedding(Tensor packed, Tensor ids) -> Tensor", &embedding);
   m.def("dequantize(Tensor packed) -> Tensor", &dequantize);
   m.def("isa() -> str", &isa);
+  m.def("int8_dot() -> bool", &int8_dot);
 }

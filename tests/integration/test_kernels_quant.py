@@ -63,6 +63,7 @@ def test_each_build_runs_its_own_instruction_set(ops, request: pytest.FixtureReq
     build = request.node.callspec.params["ops"]
     native = "avx512" if torch.cpu._is_avx512_supported() else "avx2"
     assert ops.isa() == (native if build == "native" else build)
+    assert ops.int8_dot() == (build != "scalar")
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
@@ -93,6 +94,44 @@ def test_linear_matches_a_float64_matmul_by_both_methods(ops, qtype):
         assert out.dtype == torch.bfloat16
         truth = F.linear(x.bfloat16().double(), dense)
         torch.testing.assert_close(out.double(), truth, rtol=1e-2, atol=1e-2 * scale)
+
+
+def quantize_x_like_llama_cpp(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 method sees it: each 32 values rounded to int8 steps of max|x| / 127 (to nearest
+    even), back in float32."""
+    blocks = x.reshape(-1, 32)
+    top = blocks.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    return (torch.round(blocks * inverse) * (top / 127.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_the_int8_method_equals_a_matmul_on_rounded_activations(ops, qtype):
+    """int8 dot products are exact integer sums: the result is the float64 matmul of the weight with x
+    rounded to int8 per 32 values, up to float32 rounding of the per-block scales and sums, and up to
+    one step of a value whose scaled x sits within float32 rounding of a tie (torch's division and the
+    kernel's may land on either side: about one output in 10,000)."""
+    in_features = 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 192
+    w = weight(qtype, 23, in_features, seed=int(qtype) + 200)
+    packed = pack(ops, w)
+    if not ops.int8_dot():
+        with pytest.raises(RuntimeError, match="the int8 method needs AVX2"):
+            ops.linear(torch.randn(1, in_features), packed, None, 2)
+        return
+    dense = w.dequantize().double()
+    bias = torch.randn(23)
+    scale = dense.abs().max().item()
+    for num_tokens in NUM_TOKENS:
+        x = torch.randn(num_tokens, in_features)
+        x[0, :32] = 0.0  # an all-zero block
+        out = ops.linear(x, packed, bias, 2)
+        truth = F.linear(quantize_x_like_llama_cpp(x).double(), dense, bias.double())
+        one_step = scale * x.abs().max().item() / 127
+        torch.testing.assert_close(
+            out.double(), truth, rtol=1e-5, atol=1e-5 * in_features**0.5 * scale + one_step
+        )
+        rounding = (out.double() - F.linear(x.double(), dense, bias.double())).norm() / truth.norm()
+        assert rounding < 0.02  # what rounding x to 8 bits costs
 
 
 def test_a_fused_layer_mixes_formats_row_by_row(ops):
