@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
@@ -204,6 +205,42 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, weight={self.types}"
+
+
+# Where each format's float16 scale fields sit in its block (byte offset, count), and the largest |q|
+# times sub-scale a value of the block can reach (for `random_weight`'s value range).
+_SCALE_FIELDS = {
+    GGMLQuantizationType.Q4_0: (0, 1, 8),
+    GGMLQuantizationType.Q4_1: (0, 2, 15),
+    GGMLQuantizationType.Q5_0: (0, 1, 16),
+    GGMLQuantizationType.Q5_1: (0, 2, 31),
+    GGMLQuantizationType.Q8_0: (0, 1, 128),
+    GGMLQuantizationType.Q4_K: (0, 2, 15 * 63),
+    GGMLQuantizationType.Q5_K: (0, 2, 31 * 63),
+    GGMLQuantizationType.Q6_K: (208, 1, 32 * 128),
+}
+
+
+def random_weight(
+    qtype: GGMLQuantizationType,
+    out_features: int,
+    in_features: int,
+    generator: np.random.Generator,
+    value_range: float = 1e-3,
+) -> QuantizedWeight:
+    """Random blocks of `qtype` for a `[out_features, in_features]` weight: every quantized bit random,
+    float16 scales (and mins) random within a factor of 2, so the values stay within about
+    ±`value_range`. For `--load-format dummy` shapes and for tests. Raises ValueError when in_features
+    is not a whole number of blocks."""
+    values, size = GGML_QUANT_SIZES[qtype]
+    row_bytes(qtype, in_features)  # raises for a partial block
+    blocks = generator.integers(0, 256, size=(out_features, in_features // values, size), dtype=np.uint8)
+    offset, count, reach = _SCALE_FIELDS[qtype]
+    scales = generator.uniform(0.5, 1.0, size=(*blocks.shape[:2], count)) * (value_range / reach)
+    if count == 2 and qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1):
+        scales[..., 1] = -value_range * generator.uniform(0.5, 1.0, size=blocks.shape[:2])  # the min
+    blocks[..., offset : offset + 2 * count] = scales.astype(np.float16).view(np.uint8)
+    return QuantizedWeight(((qtype, torch.from_numpy(blocks.reshape(out_features, -1))),), in_features)
 
 
 def int8_supported() -> bool:

@@ -161,6 +161,18 @@ HF_CONFIGS: dict[str, dict] = {
         "max_position_embeddings": 131072,
         "rope_scaling": _LLAMA_3_1_ROPE,
     },
+    "llama-3.2-1b": {
+        **_LLAMA_3,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "rope_scaling": {**_LLAMA_3_1_ROPE, "factor": 32.0},
+    },
     "llama-3-70b": {
         **_LLAMA_3,
         **_LLAMA_3_70B,
@@ -349,6 +361,7 @@ HF_CONFIGS: dict[str, dict] = {
 HUB_IDS: dict[str, str] = {
     "llama-3-8b": "meta-llama/Meta-Llama-3-8B-Instruct",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
     "llama-3-70b": "meta-llama/Meta-Llama-3-70B-Instruct",
     "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
     "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.1",
@@ -367,6 +380,7 @@ HUB_IDS: dict[str, str] = {
 NUM_PARAMS: dict[str, int] = {
     "llama-3-8b": 8_030_261_248,
     "llama-3.1-8b": 8_030_261_248,
+    "llama-3.2-1b": 1_235_814_400,
     "llama-3-70b": 70_553_706_496,
     "llama-3.1-70b": 70_553_706_496,
     "mistral-7b": 7_241_732_096,

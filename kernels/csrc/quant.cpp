@@ -417,17 +417,8 @@ void dot_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t rows
 // overflow). Results differ from the float path by x's rounding to 8 bits (about 0.4 % per block).
 constexpr int kInt8Tile = 4;  // rows of x per pass over a weight row
 
-inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float sum8(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
+using conveyor::simd::max8;
+using conveyor::simd::sum8;
 
 struct QuantizedX {
   std::vector<int8_t> q;  // [M, K]
@@ -560,7 +551,9 @@ void int8_row(const Layout& layout, int64_t n, const QuantizedX& xq, int64_t m, 
     mins[t] = 0.0f;
   }
   const __m256i ones = _mm256_set1_epi16(1);
-  for_each_group(seg->type, row, K, [&](int64_t g, __m256i v, __m256 scale, float min) {
+  const int64_t type = seg->type;
+  const bool has_min = type == kQ4_1 || type == kQ5_1 || type == kQ4_K || type == kQ5_K;
+  for_each_group(type, row, K, [&](int64_t g, __m256i v, __m256 scale, float min) {
     const __m256i magnitude = _mm256_sign_epi8(v, v);
     for (int t = 0; t < T; ++t) {
       const int64_t block = (m + t) * groups + g;
@@ -568,7 +561,7 @@ void int8_row(const Layout& layout, int64_t n, const QuantizedX& xq, int64_t m, 
       const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, v));
       const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
       acc[t] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, _mm256_set1_ps(xq.d[block])), acc[t]);
-      mins[t] += min * xq.s[block];
+      if (has_min) mins[t] += min * xq.s[block];  // a loop-invariant branch: symmetric formats skip it
     }
   });
   for (int t = 0; t < T; ++t) out[t * ldo] = sum8(acc[t]) + mins[t] + bias;

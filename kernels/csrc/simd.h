@@ -61,6 +61,22 @@ inline float bf16_value(uint16_t bits) {
   return value;
 }
 
+#if defined(__AVX2__)
+// The sum and the maximum of 8 float32 lanes (the AVX2 Simd's reductions; quant.cpp's int8 path uses
+// 256-bit vectors in every build).
+inline float sum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+#endif
+
 #if defined(CONVEYOR_SIMD_VECTOR)
 // The vector width the kernels are written against: one source for AVX-512 and AVX2.
 #if defined(CONVEYOR_SIMD_AVX512)
@@ -150,16 +166,8 @@ struct Simd {
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
   }
-  static float reduce_add(Vec v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-  }
-  static float reduce_max(Vec v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  }
+  static float reduce_add(Vec v) { return sum8(v); }
+  static float reduce_max(Vec v) { return max8(v); }
   static Words load_words(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
   // bfloat16 bits in the low / high half of each word, as float32.
   static Vec bf16_low(Words w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }

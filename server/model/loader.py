@@ -330,6 +330,9 @@ def load_model(
     shape = ModelShape.from_hf_config(config)
     if load_format == "dummy":
         model = _dummy_model(shape, dtype, device, ops, tp)
+        if quantization is not None:
+            _quantize_dummy(model, quantization)
+            logger.info("weights: %s", describe_weights(model))
     elif quantization == "gguf":
         from conveyor.server.model.gguf_weights import GGUFWeights
 
@@ -374,23 +377,34 @@ def check_quantization(
     load_format: str = "auto",
 ) -> None:
     """Refuse a `--quantization` this start cannot serve, before anything loads: `gguf` needs a .gguf
-    model's weights (not `--load-format dummy`), a CPU, the C++ kernel backend and one rank. Raises
-    ValueError naming the flag."""
+    model's weights (not `--load-format dummy`), a block format (`q4_0` ...) needs `--load-format
+    dummy`; both need a CPU, the C++ kernel backend and one rank. Raises ValueError naming the flag."""
     if quantization is None:
         return
-    if load_format == "dummy":
-        raise ValueError("--quantization gguf reads a GGUF file's weights; --load-format dummy loads none")
-    if source.gguf_path is None:
+    if quantization == "gguf":
+        if load_format == "dummy":
+            raise ValueError(
+                "--quantization gguf reads a GGUF file's weights; --load-format dummy loads none "
+                "(random quantized weights: --quantization q4_0, q8_0, q4_k, ...)"
+            )
+        if source.gguf_path is None:
+            raise ValueError(
+                f"--quantization gguf serves a .gguf file's blocks; {source.path} is not a GGUF file"
+            )
+    elif load_format != "dummy":
         raise ValueError(
-            f"--quantization gguf serves a .gguf file's blocks; {source.path} is not a GGUF file"
+            f"--quantization {quantization} makes random weights in that format for --load-format dummy; "
+            "a .gguf file's own blocks are served with --quantization gguf"
         )
     if device.type != "cpu" or backend != "cpu":
         raise ValueError(
-            f"--quantization gguf runs on the CPU kernels (--device cpu --attention-backend cpu), "
+            f"--quantization {quantization} runs on the CPU kernels (--device cpu --attention-backend cpu), "
             f"not {device.type} with the {backend} backend"
         )
     if tp_size != 1:
-        raise ValueError(f"--quantization gguf runs on one rank, not --tensor-parallel-size {tp_size}")
+        raise ValueError(
+            f"--quantization {quantization} runs on one rank, not --tensor-parallel-size {tp_size}"
+        )
 
 
 def describe_weights(model: torch.nn.Module) -> str:
@@ -409,6 +423,39 @@ def describe_weights(model: torch.nn.Module) -> str:
     kinds = ", ".join(f"{name} x{count}" for name, count in sorted(formats.items()))
     quantized = sum(size for _, size in packed.values())
     return f"GGUF blocks ({kinds}): {quantized / 2**20:.1f} MiB quantized, {floats / 2**20:.1f} MiB float"
+
+
+def _quantize_dummy(model: LlamaForCausalLM, quantization: str) -> None:
+    """Every linear layer and the embedding table of a dummy model as random blocks of `quantization`
+    (`q4_0` ...; `kernels.quant.random_weight`, fixed seed), a tied LM head sharing the table's.
+    Raises ValueError naming a layer whose width is not a whole number of the format's blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from conveyor.kernels.quant import QuantizedEmbedding, QuantizedLinear, random_weight
+
+    qtype = GGMLQuantizationType[quantization.upper()]
+    generator = np.random.default_rng(DUMMY_WEIGHT_SEED)
+    high = DUMMY_WEIGHT_RANGE[1]
+
+    def blocks(name: str, rows: int, cols: int) -> QuantizedLinear:
+        try:
+            return QuantizedLinear(random_weight(qtype, rows, cols, generator, high))
+        except ValueError as exc:
+            raise ValueError(f"--quantization {quantization}: {name} ({rows}x{cols}): {exc}") from None
+
+    table = model.embed_tokens
+    head = blocks("the embedding table", table.num_embeddings, table.embedding_dim)
+    model.embed_tokens = QuantizedEmbedding(head)
+    if model.shape.tie_word_embeddings:
+        model.lm_head = head
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            layer = blocks(name, module.out_features, module.in_features)
+            layer.bias = module.bias
+            setattr(parent, attr, layer)
 
 
 @torch.no_grad()

@@ -142,3 +142,30 @@ def test_int8_activations_stay_within_the_stated_quality_bound(quantized_engine,
     assert {m.method for m in int8.model.modules() if isinstance(m, QuantizedLinear)} == {"int8"}
     kl, agree = quality(int8.model)
     assert kl < 0.01 and agree >= 0.95, (kl, agree)
+
+
+def test_dummy_weights_in_a_block_format_run_a_shape_without_its_file(tmp_path):
+    """`--load-format dummy --quantization q8_0`: a config-only directory served from random Q8_0 blocks
+    (how shapes without a downloadable file are measured as they would serve)."""
+    from conveyor.operator import plan
+    from conveyor.server.messages import SamplingParams
+
+    assert plan.main(["--model", "smollm2-135m", "--write-config", str(tmp_path)]) == 0
+    engine = build_engine(
+        engine_config(model={"model": str(tmp_path), "load_format": "dummy", "quantization": "q8_0"})
+    )
+    layers = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and {m.types for m in layers} == {"Q8_0"}
+    assert isinstance(engine.model.embed_tokens, QuantizedEmbedding)
+    engine.add_request(engine.make_request("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert len(tokens) == 4
+    # 576 values are not a whole number of 256-value K-quant blocks: refused naming the layer.
+    with pytest.raises(ValueError, match=r"--quantization q4_k: the embedding table \(49152x576\)"):
+        build_engine(
+            engine_config(model={"model": str(tmp_path), "load_format": "dummy", "quantization": "q4_k"})
+        )
+    with pytest.raises(ValueError, match="random weights in that format for --load-format dummy"):
+        build_engine(engine_config(model={"quantization": "q4_0"}))

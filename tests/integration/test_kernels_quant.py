@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from conveyor.kernels import cpu
-from conveyor.kernels.quant import BLOCK_TYPES, QuantizedLinear, QuantizedWeight
+from conveyor.kernels.quant import BLOCK_TYPES, QuantizedLinear, QuantizedWeight, random_weight
 from tests.integration.conftest import cpu_build_ops
 
 BUILDS = {
@@ -21,17 +21,6 @@ BUILDS = {
 }
 TYPES = sorted(BLOCK_TYPES)
 NUM_TOKENS = [1, 2, 3, 5, 8, 17, 64]
-# Where a format's scale fields sit in its block: (offset, count) of float16 values.
-SCALES = {
-    GGMLQuantizationType.Q4_0: (0, 1),
-    GGMLQuantizationType.Q4_1: (0, 2),
-    GGMLQuantizationType.Q5_0: (0, 1),
-    GGMLQuantizationType.Q5_1: (0, 2),
-    GGMLQuantizationType.Q8_0: (0, 1),
-    GGMLQuantizationType.Q4_K: (0, 2),
-    GGMLQuantizationType.Q5_K: (0, 2),
-    GGMLQuantizationType.Q6_K: (208, 1),
-}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -40,19 +29,9 @@ def ops(request: pytest.FixtureRequest):
     return cpu_build_ops("quant.cpp", "CONVEYOR_QUANT_NAMESPACE", BUILDS[request.param], "conveyor_quant")
 
 
-def random_blocks(qtype: GGMLQuantizationType, rows: int, in_features: int, seed: int) -> torch.Tensor:
-    """`[rows, row_bytes]` random blocks of `qtype` (every bit random) with finite float16 scales."""
-    rng = np.random.default_rng(seed)
-    values, size = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(rows, in_features // values, size), dtype=np.uint8)
-    offset, count = SCALES[qtype]
-    scales = (rng.standard_normal((rows, in_features // values, count)) * 0.05).astype(np.float16)
-    blocks[..., offset : offset + 2 * count] = scales.view(np.uint8)
-    return torch.from_numpy(blocks.reshape(rows, -1))
-
-
 def weight(qtype: GGMLQuantizationType, rows: int, in_features: int, seed: int = 0) -> QuantizedWeight:
-    return QuantizedWeight(((qtype, random_blocks(qtype, rows, in_features, seed)),), in_features)
+    """Random blocks (every bit random, float16 scales random) with values within about ±0.1."""
+    return random_weight(qtype, rows, in_features, np.random.default_rng(seed), value_range=0.1)
 
 
 def pack(ops, w: QuantizedWeight) -> torch.Tensor:

@@ -99,3 +99,23 @@ def test_step_profile_splits_each_step_into_stages_and_ops(tmp_path, capsys):
     assert sum(report["forward_ms"].values()) == pytest.approx(report["stages_ms"]["forward"], rel=1e-6)
     assert report["forward_ms"]["matmul"] > 0 and report["forward_ms"]["attention"] > 0
     assert "| - forward: matmul |" in capsys.readouterr().out
+
+
+def test_quantized_benchmark_reports_each_format_against_the_measured_bandwidth(tmp_path, capsys):
+    """`python -m conveyor.benchmarks.quantized` on the embedded model's shape with random float32 and
+    Q8_0 weights: one row per format with its bytes, step times and share of the copy bandwidth."""
+    from conveyor.benchmarks import quantized
+
+    out = tmp_path / "quantized.json"
+    argv = ["--model", "smollm2-135m", "--formats", "float32", "q8_0", "--tokens", "3", "--json", str(out)]
+    assert quantized.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("copy bandwidth ") and "| q8_0 | " in printed and "| float32 | " in printed
+    result = json.loads(out.read_text())
+    assert result["copy_bandwidth_bytes_per_s"] > 1e8
+    rows = {r["format"]: r for r in result["rows"]}
+    # SmolLM2-135M: every parameter but the 61 norms (the tied table counted once, as the LM head).
+    assert rows["float32"]["weight_bytes_per_step"] == (134_515_008 - 61 * 576) * 4
+    assert rows["q8_0"]["weight_bytes_per_step"] * 32 == rows["float32"]["weight_bytes_per_step"] // 4 * 34
+    for row in rows.values():
+        assert row["step_ms_1"] > 0 and row["tokens_per_s_16"] > 0 and row["bandwidth_share_1"] > 0
