@@ -9,6 +9,10 @@ kernels of `csrc/quant.cpp`, which dequantize blocks as they read them (their la
 documented there). The reference is gguf-py's own dequantization (`QuantizedWeight.dequantize`), which
 `csrc/quant.cpp` reproduces bit for bit.
 
+One more format is conveyor's own, `Int8Format.INT8`: per-output-channel symmetric int8, a float32
+scale per row (`quantize_int8`, from any float checkpoint at load: `--quantization int8`). Its rows are
+4 + in_features bytes; the same three methods compute with it.
+
 A `QuantizedLinear` computes one of three ways: `dot` (decode rows: each weight byte read once, its
 values dequantized to float32 in L1), `dequant` (many rows: dequantize, then one float32 matmul), both
 with the reference's exact weights, and `int8` (x rounded to int8 per 32 values, integer dot products
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 import torch
@@ -44,31 +49,43 @@ BLOCK_TYPES = frozenset(
 METHODS = {"dot": 0, "dequant": 1, "int8": 2}  # csrc/quant.cpp's Method
 
 
-def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+class Int8Format(IntEnum):
+    """conveyor's own format (csrc/quant.cpp's kChannelInt8, an id outside ggml's): a row of K values is
+    a float32 scale d then K int8 q, w = q * d (per-output-channel symmetric, |q| <= 127)."""
+
+    INT8 = 1024
+
+
+WeightFormat = GGMLQuantizationType | Int8Format
+FORMATS = BLOCK_TYPES | {Int8Format.INT8}  # every format `csrc/quant.cpp` reads
+_INT8_GROUP = 32  # INT8 rows are whole 32-value groups (the int8 method's activation blocks)
+
+
+def row_bytes(qtype: WeightFormat, in_features: int) -> int:
     """Bytes of one row of `in_features` values in `qtype`. Raises ValueError when the row is not a
     whole number of blocks."""
-    values, size = GGML_QUANT_SIZES[qtype]
+    values, size = (_INT8_GROUP, _INT8_GROUP) if qtype == Int8Format.INT8 else GGML_QUANT_SIZES[qtype]
     if in_features % values:
         raise ValueError(f"{in_features} values are not a whole number of {qtype.name} blocks of {values}")
-    return in_features // values * size
+    return (4 if qtype == Int8Format.INT8 else 0) + in_features // values * size
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight `[out_features, in_features]` in GGUF block formats.
+    """A weight `[out_features, in_features]` in GGUF block formats (or conveyor's `Int8Format.INT8`).
 
-    segments: runs of output rows, each `(ggml type, blocks)` with blocks `[rows, row_bytes]` uint8 (the
+    segments: runs of output rows, each `(format, blocks)` with blocks `[rows, row_bytes]` uint8 (the
     file's bytes for those rows, e.g. a memory map). Rows can be sliced, split and concatenated (a fused
     q/k/v layer is its three weights' rows in order); values only change by `dequantize`.
     Raises ValueError when a segment's bytes do not match `in_features`.
     """
 
-    segments: tuple[tuple[GGMLQuantizationType, torch.Tensor], ...]
+    segments: tuple[tuple[WeightFormat, torch.Tensor], ...]
     in_features: int
 
     def __post_init__(self) -> None:
         for qtype, blocks in self.segments:
-            if qtype not in BLOCK_TYPES:
+            if qtype not in FORMATS:
                 raise ValueError(f"{qtype.name} is not a block format the CPU kernels read")
             expected = row_bytes(qtype, self.in_features)
             if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != expected:
@@ -120,11 +137,17 @@ class QuantizedWeight:
         return QuantizedWeight(tuple(s for part in parts for s in part.segments), parts[0].in_features)
 
     def dequantize(self) -> torch.Tensor:
-        """`[out_features, in_features]` float32, by gguf-py's dequantization (the reference)."""
-        rows = [
-            torch.from_numpy(gguf_dequantize(blocks.numpy(), qtype)).reshape(-1, self.in_features)
-            for qtype, blocks in self.segments
-        ]
+        """`[out_features, in_features]` float32, by gguf-py's dequantization (the reference); INT8
+        rows as `q * d` in float32."""
+        rows = []
+        for qtype, blocks in self.segments:
+            if qtype == Int8Format.INT8:
+                scale = blocks[:, :4].contiguous().view(torch.float32)  # [rows, 1]
+                rows.append(blocks[:, 4:].contiguous().view(torch.int8).float() * scale)
+            else:
+                rows.append(
+                    torch.from_numpy(gguf_dequantize(blocks.numpy(), qtype)).reshape(-1, self.in_features)
+                )
         return torch.cat(rows)
 
     def pack(self) -> torch.Tensor:
@@ -241,6 +264,21 @@ def random_weight(
         scales[..., 1] = -value_range * generator.uniform(0.5, 1.0, size=blocks.shape[:2])  # the min
     blocks[..., offset : offset + 2 * count] = scales.astype(np.float16).view(np.uint8)
     return QuantizedWeight(((qtype, torch.from_numpy(blocks.reshape(out_features, -1))),), in_features)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """`weight` `[out_features, in_features]` (any float dtype) as `Int8Format.INT8`: per output row,
+    d = max|w| / 127 and q = round(w / d) (to nearest even), so |w - q * d| <= d / 2 (the per-channel
+    symmetric scheme of LLM.int8's vector-wise quantization, Dettmers et al. 2022, without its outlier
+    split). An all-zero row gets d = 0. Raises ValueError when in_features is not a whole number of
+    32-value groups."""
+    out_features, in_features = weight.shape
+    row_bytes(Int8Format.INT8, in_features)  # raises for a partial group
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    q = torch.round(w / torch.where(scale == 0, 1.0, scale)).clamp_(-127, 127).to(torch.int8)
+    blocks = torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], dim=1)
+    return QuantizedWeight(((Int8Format.INT8, blocks),), in_features)
 
 
 def int8_supported() -> bool:

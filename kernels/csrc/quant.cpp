@@ -14,6 +14,8 @@
 //   Q6_K 256 values, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one
 //        per 16 values), f16 d                                       w = (d * sc) * (q - 32)
 // Nibble q of value j < 16 of a 32-value block is the low half of byte j, of value j + 16 its high half.
+// One format is conveyor's own, for weights quantized at load (`--quantization int8`):
+//   INT8  a row of K values, 4 + K bytes: f32 d, K int8 (per-output-channel symmetric)   w = q * d
 //
 // Packed layout (`pack`): one uint8 tensor, so one weight is one tensor whatever its parts. It starts with
 // int64 words {kMagic, in_features, out_features, num_segments}, then per segment {ggml type, rows, byte
@@ -53,8 +55,10 @@ namespace {
 
 using at::Tensor;
 
-// ggml's type ids (gguf.GGMLQuantizationType).
-enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+// ggml's type ids (gguf.GGMLQuantizationType), and kChannelInt8 (conveyor.kernels.quant.Int8Format.INT8).
+enum Type : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kChannelInt8 = 1024
+};
 
 constexpr int64_t kMagic = 0x31766e6f63;  // "conv1" in little-endian ASCII: a weight made by `pack`
 constexpr int64_t kHeaderWords = 4, kSegmentWords = 4, kAlign = 64;
@@ -62,6 +66,9 @@ constexpr int64_t kRows = 4;  // weight rows dequantized together by `dot`
 
 struct Format {
   int64_t values, bytes;  // per block
+  int64_t prefix = 0;     // bytes before a row's blocks (INT8's scale)
+
+  int64_t row_bytes(int64_t in_features) const { return prefix + in_features / values * bytes; }
 };
 
 Format format_of(int64_t type) {
@@ -74,6 +81,7 @@ Format format_of(int64_t type) {
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
+    case kChannelInt8: return {32, 32, 4};
     default: TORCH_CHECK(false, "ggml type ", type, " is not a block format these kernels read");
   }
 }
@@ -86,6 +94,12 @@ inline float f16(const uint8_t* p) {
 #else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 #endif
+}
+
+inline float f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 inline uint32_t u32(const uint8_t* p) {
@@ -275,6 +289,19 @@ inline void dequantize_block(int64_t type, const uint8_t* b, float* __restrict o
   }
 }
 
+// An INT8 row's K values `q * d` (the same float32 product as the reference).
+inline void dequantize_int8(float d, const int8_t* q, int64_t K, float* __restrict out) {
+  int64_t k = 0;
+#if defined(__AVX2__)
+  const __m256 dv = _mm256_set1_ps(d);
+  for (; k + 8 <= K; k += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+    _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), dv));
+  }
+#endif
+  for (; k < K; ++k) out[k] = static_cast<float>(q[k]) * d;
+}
+
 struct Segment {
   int64_t type, first_row, rows, row_bytes;
   const uint8_t* data;
@@ -299,6 +326,10 @@ struct Layout {
   void dequantize_row(int64_t n, float* out) const {
     const Segment* seg = nullptr;
     const uint8_t* p = row(n, seg);
+    if (seg->type == kChannelInt8) {
+      dequantize_int8(f32(p), reinterpret_cast<const int8_t*>(p + 4), in_features, out);
+      return;
+    }
     const int64_t blocks = in_features / seg->format.values;
     for (int64_t i = 0; i < blocks; ++i) {
       dequantize_block(seg->type, p + i * seg->format.bytes, out + i * seg->format.values);
@@ -341,8 +372,8 @@ Tensor pack(const std::vector<int64_t>& types, const std::vector<Tensor>& blocks
     const Tensor& b = blocks[s];
     TORCH_CHECK(in_features % f.values == 0, "in_features ", in_features, " is not a whole number of ",
                 f.values, "-value blocks");
-    TORCH_CHECK(b.scalar_type() == at::kByte && b.dim() == 2 && b.size(1) == in_features / f.values * f.bytes,
-                "blocks of type ", types[s], " must be [rows, ", in_features / f.values * f.bytes, "] uint8");
+    TORCH_CHECK(b.scalar_type() == at::kByte && b.dim() == 2 && b.size(1) == f.row_bytes(in_features),
+                "blocks of type ", types[s], " must be [rows, ", f.row_bytes(in_features), "] uint8");
     words.insert(words.end(), {types[s], b.size(0), offset, b.size(1)});
     offset = align(offset + b.numel());
     rows += b.size(0);
@@ -534,6 +565,13 @@ inline void for_each_group(int64_t type, const uint8_t* row, int64_t K, F&& f) {
         }
       }
       return;
+    case kChannelInt8: {
+      const __m256 scale = _mm256_set1_ps(f32(row));
+      for (int64_t i = 0; i < blocks; ++i) {
+        f(i, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 4 + i * 32)), scale, 0.0f);
+      }
+      return;
+    }
     default: TORCH_CHECK(false, "ggml type ", type, " is not a block format these kernels read");
   }
 }

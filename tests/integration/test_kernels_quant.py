@@ -1,5 +1,5 @@
 """The C++ kernels on GGUF blocks (`kernels/csrc/quant.cpp`, `conveyor.kernels.quant`) against gguf-py's own
-dequantization, for every block format, in the machine's own build and in an AVX2 and a scalar build of the same
+dequantization, for every block format and conveyor's per-channel INT8, in the machine's own build and in an AVX2 and a scalar build of the same
 source (compiled here under other op namespaces, so an AVX-512 machine checks the paths an AVX2 one runs)."""
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from conveyor.kernels import cpu
-from conveyor.kernels.quant import BLOCK_TYPES, QuantizedLinear, QuantizedWeight, random_weight
+from conveyor.kernels.quant import (
+    BLOCK_TYPES,
+    Int8Format,
+    QuantizedLinear,
+    QuantizedWeight,
+    quantize_int8,
+    random_weight,
+)
 from tests.integration.conftest import cpu_build_ops
 
 BUILDS = {
@@ -19,7 +26,7 @@ BUILDS = {
     "avx2": ("conveyor_quant_avx2", ["-O3", "-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]),
     "scalar": ("conveyor_quant_scalar", ["-O3", "-mno-avx", "-mno-avx2", "-mno-f16c"]),
 }
-TYPES = sorted(BLOCK_TYPES)
+TYPES = [*sorted(BLOCK_TYPES), Int8Format.INT8]
 NUM_TOKENS = [1, 2, 3, 5, 8, 17, 64]
 
 
@@ -29,9 +36,18 @@ def ops(request: pytest.FixtureRequest):
     return cpu_build_ops("quant.cpp", "CONVEYOR_QUANT_NAMESPACE", BUILDS[request.param], "conveyor_quant")
 
 
-def weight(qtype: GGMLQuantizationType, rows: int, in_features: int, seed: int = 0) -> QuantizedWeight:
-    """Random blocks (every bit random, float16 scales random) with values within about ±0.1."""
+def weight(qtype, rows: int, in_features: int, seed: int = 0) -> QuantizedWeight:
+    """Random blocks (every bit random, float16 scales random) with values within about ±0.1; INT8 from
+    a random float weight quantized per row, one row all zeros."""
+    if qtype == Int8Format.INT8:
+        dense = torch.from_numpy(np.random.default_rng(seed).uniform(-0.1, 0.1, (rows, in_features)))
+        dense[rows // 2] = 0.0
+        return quantize_int8(dense)
     return random_weight(qtype, rows, in_features, np.random.default_rng(seed), value_range=0.1)
+
+
+def block_values(qtype) -> int:
+    return 32 if qtype == Int8Format.INT8 else GGML_QUANT_SIZES[qtype][0]
 
 
 def pack(ops, w: QuantizedWeight) -> torch.Tensor:
@@ -55,7 +71,7 @@ def test_dequantization_equals_gguf_bit_for_bit(ops, qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_linear_matches_a_float64_matmul_by_both_methods(ops, qtype):
-    in_features = 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 96  # 3 blocks either way
+    in_features = 768 if block_values(qtype) == 256 else 96  # 3 blocks either way
     w = weight(qtype, 41, in_features, seed=int(qtype) + 100)
     dense = w.dequantize().double()
     packed = pack(ops, w)
@@ -90,7 +106,7 @@ def test_the_int8_method_equals_a_matmul_on_rounded_activations(ops, qtype):
     rounded to int8 per 32 values, up to float32 rounding of the per-block scales and sums, and up to
     one step of a value whose scaled x sits within float32 rounding of a tie (torch's division and the
     kernel's may land on either side: about one output in 10,000)."""
-    in_features = 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 192
+    in_features = 768 if block_values(qtype) == 256 else 192
     w = weight(qtype, 23, in_features, seed=int(qtype) + 200)
     packed = pack(ops, w)
     if not ops.int8_dot():
@@ -148,6 +164,20 @@ def test_bad_input_is_refused_with_the_reason(ops):
         QuantizedWeight(((GGMLQuantizationType.Q4_0, torch.zeros(4, 18, dtype=torch.uint8)),), 64)
     with pytest.raises(ValueError, match="not a block format"):
         QuantizedWeight(((GGMLQuantizationType.IQ2_XS, torch.zeros(1, 1, dtype=torch.uint8)),), 256)
+
+
+def test_int8_quantization_rounds_each_row_to_its_own_scale():
+    """`quantize_int8`: per row d = max|w| / 127, |w - q * d| <= d / 2, the largest value exact up to
+    float32 rounding; rows of other widths are refused."""
+    dense = torch.randn(5, 64, dtype=torch.float64) * torch.tensor([[1e-3], [1.0], [30.0], [0.0], [2.0]])
+    w = quantize_int8(dense.bfloat16())
+    assert w.type_names() == "INT8" and w.nbytes == 5 * (4 + 64)
+    step = dense.bfloat16().double().abs().amax(dim=1, keepdim=True) / 127
+    error = (w.dequantize().double() - dense.bfloat16().double()).abs()
+    assert (error <= step / 2 * (1 + 1e-6) + 1e-12).all()
+    assert torch.equal(w.dequantize()[3], torch.zeros(64))
+    with pytest.raises(ValueError, match="not a whole number of INT8 blocks of 32"):
+        quantize_int8(torch.randn(2, 40))
 
 
 def test_the_layer_modules_share_one_packed_weight():
