@@ -1,13 +1,14 @@
 """Quantized weights against float32 on one shape: decode speed and the share of memory bandwidth it reaches.
 
-    python -m conveyor.benchmarks.quantized [--model llama-3.2-1b] [--formats float32 q8_0 q4_0]
-        [--tokens 24] [--json FILE]
+    python -m conveyor.benchmarks.quantized [--model llama-3.2-1b]
+        [--formats float32 bfloat16 q8_0 q4_0 int8] [--tokens 24] [--json FILE]
 
 Decode reads every weight once per step, so on a CPU its speed is bounded by memory bandwidth over the
 bytes of the weights. The model is a catalog shape (`conveyor plan --write-config`, default
 `llama-3.2-1b`) or a directory with a config.json, served in-process with `--load-format dummy`:
-random float32 weights, or random blocks of each format (`--quantization q8_0` ...), the kernels chosen
-by measurement as a server chooses them. Per format: the bytes a decode step reads (every linear layer
+random float32 or bfloat16 weights, random blocks of a GGUF format (`--quantization q8_0` ...), or the
+random float weights quantized per channel (`--quantization int8`), the kernels chosen by measurement as
+a server chooses them. Per format: the bytes a decode step reads (every linear layer
 and the LM head; the embedding lookup reads one row), the median step time with one sequence decoding
 and with 16, and "% of bandwidth": the time the bytes take at the machine's copy bandwidth (a 1 GiB
 copy over every thread, read and written bytes counted as STREAM counts them) over the measured step,
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ("float32", "q8_0", "q4_0")
+FORMATS = ("float32", "bfloat16", "q8_0", "q4_0", "int8")
+FLOATS = {"float32": 4, "bfloat16": 2}  # bytes per weight
 SEQUENCES = (1, 16)
 
 
@@ -48,20 +50,24 @@ def copy_bandwidth(size: int = 1 << 30) -> float:
 
 def bytes_per_step(shape, fmt: str) -> int:
     """Weight bytes one decode step reads: every linear layer and the LM head, in `fmt`."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from conveyor.kernels.quant import Int8Format, row_bytes
 
-    hd = shape.head_dim
+    hd, hidden = shape.head_dim, shape.hidden_size
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
-    per_layer = (
-        shape.hidden_size * (q + 2 * kv)
-        + q * shape.hidden_size
-        + 3 * shape.hidden_size * shape.intermediate_size
-    )
-    params = shape.num_layers * per_layer + shape.vocab_size * shape.hidden_size
-    if fmt == "float32":
-        return params * 4
-    values, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt.upper()]]
-    return params * size // values
+    layer = [
+        (q + 2 * kv, hidden),
+        (hidden, q),
+        (2 * shape.intermediate_size, hidden),
+        (hidden, shape.intermediate_size),
+    ]
+    matrices = layer * shape.num_layers + [(shape.vocab_size, hidden)]  # (rows, columns)
+    if fmt in FLOATS:
+        return sum(rows * cols for rows, cols in matrices) * FLOATS[fmt]
+    if fmt == "int8":
+        return sum(rows * row_bytes(Int8Format.INT8, cols) for rows, cols in matrices)
+    from gguf import GGMLQuantizationType
+
+    return sum(rows * row_bytes(GGMLQuantizationType[fmt.upper()], cols) for rows, cols in matrices)
 
 
 def step_times(engine, sequences: int, tokens: int) -> float:
@@ -90,9 +96,9 @@ def measure(model_dir: str, formats: list[str], tokens: int) -> dict:
         model = ModelConfig(
             model=model_dir,
             load_format="dummy",
-            dtype="float32",
+            dtype="bfloat16" if fmt == "bfloat16" else "float32",
             max_model_len=512,
-            quantization=None if fmt == "float32" else fmt,
+            quantization=None if fmt in FLOATS else fmt,
         )
         engine = build_engine(EngineConfig(model=model, cache=CacheConfig(kv_cache_memory=256 << 20)))
         step_times(engine, 1, 4)  # warm-up
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "--formats",
         nargs="+",
         default=list(FORMATS),
-        help="float32 and block formats (q8_0, q4_0, q4_k, ...)",
+        help="float32, bfloat16, int8 and GGUF block formats (q8_0, q4_0, q4_k, ...)",
     )
     parser.add_argument("--tokens", type=int, default=24, help="tokens each sequence decodes")
     parser.add_argument("--json", type=Path, help="also write the numbers here")

@@ -7,7 +7,9 @@ and transformers' continuous batching (when installed). Scenarios:
 - offline: all requests at once on a long-tailed workload (10x length spread);
 - online: Poisson arrivals at 50 % and 90 % of conveyor static's measured offline capacity (req/s);
 - chunked-prefill sweep: conveyor continuous with ``--max-num-batched-tokens`` 512 / 1024 / 4096 on a
-  mixed long-prompt workload (256-2,560 tokens) at a steady Poisson rate (``--sweep-rate``).
+  mixed long-prompt workload (256-2,560 tokens) at a steady Poisson rate (``--sweep-rate``);
+- quantized weights' quality: KL divergence and top-1 agreement against the float32 model per
+  quantization (``conveyor.benchmarks.quality``).
 
 MFU is ``2 * params * total tokens/s`` over the matmul rate of a large ``torch.mm`` measured in the run.
 Writes ``<out>/summary.json``, one JSON per run (with every request), the workloads (JSONL), PNG plots
@@ -107,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-conveyor", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument(
+        "--skip-quality", action="store_true", help="skip the quantized weights' quality table"
+    )
     parser.add_argument(
         "--report-only",
         action="store_true",
@@ -338,8 +343,10 @@ def run_transformers(bench: Bench, model: Any, main_samples: list[SampleRequest]
     bench.record("transformers continuous batching", "offline", main_samples, records, duration)
 
 
-def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], command: str) -> None:
-    """summary.json, results.md and the PNG plots."""
+def write_report(
+    bench: Bench, env: dict[str, Any], peak: dict[str, Any], command: str, quality: list[dict] | None = None
+) -> None:
+    """summary.json, results.md and the PNG plots; `quality`: `benchmarks.quality.measure()`'s rows."""
     out = bench.out
     runs = bench.runs
     summary_runs = [{k: v for k, v in r.items() if k != "records"} for r in runs]
@@ -354,6 +361,7 @@ def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], comman
         "targets": checks,
         "online_capacity": {"system": bench.capacity_system, "requests_per_s": bench.capacity_req_s},
         "runs": summary_runs,
+        "quality": quality,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
@@ -421,6 +429,18 @@ def write_report(bench: Bench, env: dict[str, Any], peak: dict[str, Any], comman
         report.bucket_table(summary_runs),
         "",
     ]
+    if quality:
+        from conveyor.benchmarks.quality import table
+
+        lines += [
+            "## Quantized weights: quality against float32",
+            "",
+            "Next-token distributions on fixed texts against transformers' float32 model of the same file "
+            "(`python -m conveyor.benchmarks.quality`).",
+            "",
+            table(quality),
+            "",
+        ]
     (out / "results.md").write_text("\n".join(lines))
     print((out / "results.md").read_text())
 
@@ -452,7 +472,9 @@ def rebuild_report(out: Path) -> int:
         )
         runs.append(run)
     bench.runs = sorted(runs, key=lambda r: order[r["name"]])
-    write_report(bench, summary["environment"], summary["matmul_peak"], summary["command"])
+    write_report(
+        bench, summary["environment"], summary["matmul_peak"], summary["command"], summary.get("quality")
+    )
     return 0
 
 
@@ -503,7 +525,12 @@ def main(argv: list[str] | None = None) -> int:
         run_conveyor(bench, main_samples, sweep_samples)
     if model is not None:
         run_transformers(bench, model, main_samples)
-    write_report(bench, env, peak, command)
+    quality = None
+    if not args.skip_quality:
+        from conveyor.benchmarks.quality import measure
+
+        quality = measure()
+    write_report(bench, env, peak, command, quality)
     return 0 if all(r["metrics"]["failed"] == 0 for r in bench.runs) else 1
 
 

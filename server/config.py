@@ -36,14 +36,15 @@ class ModelConfig(_Config):
         description="weight and activation dtype; auto = on CPU bfloat16 where it is native (AVX512_BF16 "
         "or AMX), else float32; on CUDA the model's half dtype",
     )
-    quantization: Literal["gguf", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"] | None = (
-        Field(
-            None,
-            description="gguf = serve a .gguf model's weights in its quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, "
-            "Q8_0, Q4_K, Q5_K, Q6_K; on CPU with the C++ kernels, one rank), a fraction of the float size; "
-            "a block format (q4_0 ... q6_k) with --load-format dummy: random weights in that format; default: "
-            "dequantize at load",
-        )
+    quantization: (
+        Literal["gguf", "int8", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"] | None
+    ) = Field(
+        None,
+        description="gguf = serve a .gguf model's weights in its quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, "
+        "Q8_0, Q4_K, Q5_K, Q6_K), a fraction of the float size; int8 = quantize any checkpoint's linear "
+        "layers and embedding table at load, per output channel (symmetric int8, a float32 scale per row); "
+        "a block format (q4_0 ... q6_k) with --load-format dummy: random weights in that format; all on CPU "
+        "with the C++ kernels, one rank; default: dequantize at load",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="maximum prompt + output tokens per sequence; default: the model's"

@@ -133,14 +133,19 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """What the engine settled at start: KV pool (`num_kv_blocks` blocks of `block_size` tokens) and the
-    scheduler's limits (`/metrics` exports them as vLLM's `cache_config_info` and `scheduler_config_info`)."""
+    """What the engine settled at start: KV pool (`num_kv_blocks` blocks of `block_size` tokens), the
+    scheduler's limits (`/metrics` exports them as vLLM's `cache_config_info` and `scheduler_config_info`)
+    and what the weights are (`model_weights_info`): `quantization` (the flag, or "none"), `weights` (the
+    quantized formats held, e.g. `Q4_1+Q8_0`, else the float dtype) and `weight_bytes` (bytes they take)."""
 
     block_size: int
     num_kv_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    quantization: str = "none"
+    weights: str = ""
+    weight_bytes: int = 0
 
 
 @dataclass

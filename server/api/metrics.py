@@ -102,6 +102,13 @@ class EngineMetrics:
             ["model_name", "max_num_seqs", "max_num_batched_tokens"],
             registry=r,
         ).labels(model_name, str(limits.max_num_seqs), str(limits.max_num_batched_tokens)).set(1)
+        # What the weights are: a dashboard tells a quantized replica from a float one.
+        Gauge(
+            "conveyor:model_weights_info",
+            "Weights as served: --quantization, formats held, bytes (labels; value 1).",
+            ["model_name", "quantization", "weights", "weight_bytes"],
+            registry=r,
+        ).labels(model_name, limits.quantization, limits.weights, str(limits.weight_bytes)).set(1)
         # Export every gauge and counter from the start, so a query sees 0 rather than no data.
         for series in (self.num_waiting, self.num_running, self.kv_usage, self.prompt_tokens):
             series.labels(model_name)

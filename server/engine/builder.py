@@ -73,8 +73,8 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     """
     mc, cc, sc = config.model, config.cache, config.scheduler
     device = pick_device(config.device.device)
-    # A start that reads a GGUF's blocks needs only its config and tokenizer converted.
-    source = loader.converted(loader.resolve_model(mc.model), weights=mc.quantization is None)
+    # A start that reads a GGUF's blocks (or makes random ones) needs only its config and tokenizer converted.
+    source = loader.converted(loader.resolve_model(mc.model), weights=mc.quantization in (None, "int8"))
     hf_config = loader.load_config(source)
     impl = loader.choose_impl(mc.model_impl, hf_config)
     shape = (
@@ -98,7 +98,9 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         mc.quantization, source, device, backend, config.parallel.tensor_parallel_size, mc.load_format
     )
     if mc.quantization and impl != "native":
-        raise ValueError("--quantization gguf runs conveyor's own decoder: use --model-impl native or auto")
+        raise ValueError(
+            f"--quantization {mc.quantization} runs conveyor's own decoder: use --model-impl native or auto"
+        )
     if impl == "transformers" and config.parallel.tensor_parallel_size > 1:
         raise ValueError("--model-impl transformers runs on one rank: use --tensor-parallel-size 1")
     tokenizer = loader.load_tokenizer(source, mc.load_format, mc.chat_template)
@@ -109,10 +111,12 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             model = loader.load_model(
                 source, hf_config, dtype, device, ops, mc.load_format, tp, mc.quantization
             )
+            weights, weight_bytes = loader.weights_info(model)  # before packing adds kernel layouts
             logger.info("%s", pack_weights(model, ops, dtype, device))
         else:  # transformers' linear layers stay as they are (they take batched 3-D inputs)
             dummy = mc.load_format == "dummy"
             model = TransformersForCausalLM.load(source.path, hf_config, dtype, device, ops, dummy)
+            weights, weight_bytes = loader.weights_info(model)
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
         kv_bytes_per_token = capacity.kv_bytes_per_token(
             shape.num_layers,
@@ -158,7 +162,14 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         )
         runner.allocate_kv_cache(num_blocks)
         limits = EngineLimits(
-            cc.block_size, num_blocks, max_num_seqs, sc.max_num_batched_tokens, max_model_len
+            cc.block_size,
+            num_blocks,
+            max_num_seqs,
+            sc.max_num_batched_tokens,
+            max_model_len,
+            mc.quantization or "none",
+            weights,
+            weight_bytes,
         )
         served_model_name = mc.served_model_name or source.default_name
         return LLMEngine(

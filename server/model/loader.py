@@ -324,14 +324,17 @@ def load_model(
     Weights come straight from the directory's safetensors files when it has them, else through
     transformers (hub ids, `.bin` checkpoints, a GGUF read directly), dequantized. With
     `quantization="gguf"` the linear layers and the embedding table keep the GGUF file's blocks
-    (`gguf_weights.GGUFWeights`; checked by `check_quantization` first). Raises ValueError when `tp`
-    does not split the model, `gguf_weights.GGUFError` for a GGUF file that cannot be read.
+    (`gguf_weights.GGUFWeights`); with `"int8"` they are quantized per output channel from the loaded
+    weights (`kernels.quant.quantize_int8`); with a block format (`"q4_0"` ..., dummy weights only) they
+    are random blocks of it. `check_quantization` has checked the combination first. Raises ValueError
+    when `tp` does not split the model or a layer's width is not whole blocks of the format,
+    `gguf_weights.GGUFError` for a GGUF file that cannot be read.
     """
     shape = ModelShape.from_hf_config(config)
     if load_format == "dummy":
         model = _dummy_model(shape, dtype, device, ops, tp)
         if quantization is not None:
-            _quantize_dummy(model, quantization)
+            _quantize_layers(model, quantization)
             logger.info("weights: %s", describe_weights(model))
     elif quantization == "gguf":
         from conveyor.server.model.gguf_weights import GGUFWeights
@@ -362,6 +365,9 @@ def load_model(
             )
             model.load_hf_state_dict(hf_model.state_dict())
             del hf_model
+        if quantization == "int8":  # from the checkpoint's values, before the cast to `dtype`
+            _quantize_layers(model, quantization)
+            logger.info("weights: %s", describe_weights(model))
         # Parameters only: the rotary table stays float32 (as transformers keeps it).
         for param in model.parameters():
             param.data = param.data.to(dtype)
@@ -378,7 +384,8 @@ def check_quantization(
 ) -> None:
     """Refuse a `--quantization` this start cannot serve, before anything loads: `gguf` needs a .gguf
     model's weights (not `--load-format dummy`), a block format (`q4_0` ...) needs `--load-format
-    dummy`; both need a CPU, the C++ kernel backend and one rank. Raises ValueError naming the flag."""
+    dummy`, `int8` takes either; all need a CPU, the C++ kernel backend and one rank. Raises ValueError
+    naming the flag."""
     if quantization is None:
         return
     if quantization == "gguf":
@@ -391,10 +398,11 @@ def check_quantization(
             raise ValueError(
                 f"--quantization gguf serves a .gguf file's blocks; {source.path} is not a GGUF file"
             )
-    elif load_format != "dummy":
+    elif quantization != "int8" and load_format != "dummy":
         raise ValueError(
             f"--quantization {quantization} makes random weights in that format for --load-format dummy; "
-            "a .gguf file's own blocks are served with --quantization gguf"
+            "a .gguf file's own blocks are served with --quantization gguf, any checkpoint quantized at "
+            "load with --quantization int8"
         )
     if device.type != "cpu" or backend != "cpu":
         raise ValueError(
@@ -407,45 +415,66 @@ def check_quantization(
         )
 
 
-def describe_weights(model: torch.nn.Module) -> str:
-    """What the weights are, for the start log: each quantized format with its number of weights (a
-    tied embedding and LM head are one), and the bytes held quantized and in float."""
-    from collections import Counter
-
+def _weight_parts(model: torch.nn.Module) -> tuple[dict[str, int], dict[str, int], int, int]:
+    """(quantized formats -> number of distinct packed weights, float dtype -> parameters, quantized
+    bytes, float bytes); a tied embedding and LM head count once."""
     from conveyor.kernels.quant import QuantizedEmbedding, QuantizedLinear
 
     packed: dict[int, tuple[str, int]] = {}
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             packed[module.packed.data_ptr()] = (module.types, module.packed.numel())
-    formats = Counter(types for types, _ in packed.values())
+    formats: dict[str, int] = {}
+    for types, _ in packed.values():
+        formats[types] = formats.get(types, 0) + 1
+    dtypes: dict[str, int] = {}
+    for p in model.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        dtypes[name] = dtypes.get(name, 0) + p.numel()
     floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    return formats, dtypes, sum(size for _, size in packed.values()), floats
+
+
+def describe_weights(model: torch.nn.Module) -> str:
+    """What the weights are, for the start log: each quantized format with its number of weights (a
+    tied embedding and LM head are one), and the bytes held quantized and in float."""
+    formats, _, quantized, floats = _weight_parts(model)
     kinds = ", ".join(f"{name} x{count}" for name, count in sorted(formats.items()))
-    quantized = sum(size for _, size in packed.values())
-    return f"GGUF blocks ({kinds}): {quantized / 2**20:.1f} MiB quantized, {floats / 2**20:.1f} MiB float"
+    return f"quantized ({kinds}): {quantized / 2**20:.1f} MiB, float: {floats / 2**20:.1f} MiB"
 
 
-def _quantize_dummy(model: LlamaForCausalLM, quantization: str) -> None:
-    """Every linear layer and the embedding table of a dummy model as random blocks of `quantization`
-    (`q4_0` ...; `kernels.quant.random_weight`, fixed seed), a tied LM head sharing the table's.
-    Raises ValueError naming a layer whose width is not a whole number of the format's blocks."""
+def weights_info(model: torch.nn.Module) -> tuple[str, int]:
+    """(formats, bytes) for `/metrics`: the quantized formats held (`Q4_1+Q8_0`, each once, sorted), or
+    the float dtype of most parameters when nothing is quantized; the bytes of every weight."""
+    formats, dtypes, quantized, floats = _weight_parts(model)
+    names = sorted({name for types in formats for name in types.split("+")})
+    label = "+".join(names) if names else max(dtypes, key=dtypes.__getitem__, default="")
+    return label, quantized + floats
+
+
+def _quantize_layers(model: LlamaForCausalLM, quantization: str) -> None:
+    """Every linear layer and the embedding table of `model` in `quantization`, a tied LM head sharing
+    the table's: `int8` quantizes each weight's values per output channel (`kernels.quant.quantize_int8`);
+    a block format (`q4_0` ..., dummy models) draws random blocks (`kernels.quant.random_weight`, fixed
+    seed). Raises ValueError naming a layer whose width is not a whole number of the format's blocks."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
-    from conveyor.kernels.quant import QuantizedEmbedding, QuantizedLinear, random_weight
+    from conveyor.kernels.quant import QuantizedEmbedding, QuantizedLinear, quantize_int8, random_weight
 
-    qtype = GGMLQuantizationType[quantization.upper()]
     generator = np.random.default_rng(DUMMY_WEIGHT_SEED)
-    high = DUMMY_WEIGHT_RANGE[1]
 
-    def blocks(name: str, rows: int, cols: int) -> QuantizedLinear:
+    def quantized(name: str, weight: torch.Tensor) -> QuantizedLinear:
+        rows, cols = weight.shape
         try:
-            return QuantizedLinear(random_weight(qtype, rows, cols, generator, high))
+            if quantization == "int8":
+                return QuantizedLinear(quantize_int8(weight))
+            qtype = GGMLQuantizationType[quantization.upper()]
+            return QuantizedLinear(random_weight(qtype, rows, cols, generator, DUMMY_WEIGHT_RANGE[1]))
         except ValueError as exc:
             raise ValueError(f"--quantization {quantization}: {name} ({rows}x{cols}): {exc}") from None
 
-    table = model.embed_tokens
-    head = blocks("the embedding table", table.num_embeddings, table.embedding_dim)
+    head = quantized("the embedding table", model.embed_tokens.weight)
     model.embed_tokens = QuantizedEmbedding(head)
     if model.shape.tie_word_embeddings:
         model.lm_head = head
@@ -453,7 +482,7 @@ def _quantize_dummy(model: LlamaForCausalLM, quantization: str) -> None:
         if isinstance(module, torch.nn.Linear):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            layer = blocks(name, module.out_features, module.in_features)
+            layer = quantized(name, module.weight)
             layer.bias = module.bias
             setattr(parent, attr, layer)
 

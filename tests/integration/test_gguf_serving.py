@@ -11,7 +11,6 @@ import shutil
 import pytest
 import torch
 
-from conveyor.kernels import AttentionMetadata
 from conveyor.kernels.quant import QuantizedEmbedding, QuantizedLinear
 from conveyor.server.engine.builder import build_engine
 from conveyor.server.model import loader
@@ -40,24 +39,6 @@ def quantized_engine():
     return engine_with_kernels(EXACT_KERNELS)
 
 
-def prefill_logits(model, ids: list[int]) -> torch.Tensor:
-    """Float32 logits `[len(ids), vocab_size]` of one prefill of `ids` through `model` (a fresh KV cache)."""
-    block_size, n = 16, len(ids)
-    blocks = -(-n // block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        max_query_len=n,
-        max_seq_len=n,
-    )
-    shape = (blocks, block_size, model.shape.num_kv_heads, model.shape.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.layers]
-    with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), caches, meta)).float()
-
-
 def test_greedy_outputs_equal_transformers_on_the_dequantized_model(quantized_engine, hf_model):
     model = quantized_engine.model
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.types == "Q8_0"
@@ -78,7 +59,7 @@ def test_the_weights_stay_the_size_of_the_file(quantized_engine):
     floats = sum(p.numel() * p.element_size() for p in quantized_engine.model.parameters())
     assert sum(packed.values()) + floats <= file_bytes  # the float32 model is about 540 MB
     summary = loader.describe_weights(quantized_engine.model)
-    assert summary.startswith("GGUF blocks (Q4_1 x120, Q8_0 x1):"), summary
+    assert summary.startswith("quantized (Q4_1 x120, Q8_0 x1):"), summary
 
 
 def _source_config():
@@ -122,28 +103,6 @@ def test_a_truncated_file_names_itself_or_its_tensor(tmp_path):
             weights[name]
 
 
-def test_int8_activations_stay_within_the_stated_quality_bound(quantized_engine, hf_model):
-    """`q-int8` rounds x to int8 per 32 values (as llama.cpp does): on a 300-token text the next-token
-    distributions stay within a mean KL divergence of 0.01 nats of the float32 model's, and the most
-    likely token agrees at 95 % of positions or more (the exact methods: KL about 1e-9, all agree)."""
-    text = " ".join(PROMPTS) + " The quick brown fox jumps over the lazy dog. " * 12
-    ids = quantized_engine.tokenizer(text)["input_ids"][:300]
-    with torch.inference_mode():
-        truth = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    def quality(model) -> tuple[float, float]:
-        ours = torch.log_softmax(prefill_logits(model, ids), dim=-1)
-        kl = (truth.exp() * (truth - ours)).sum(dim=-1).mean().item()
-        return kl, (ours.argmax(-1) == truth.argmax(-1)).float().mean().item()
-
-    kl, agree = quality(quantized_engine.model)
-    assert kl < 1e-6 and agree == 1.0, (kl, agree)
-    int8 = engine_with_kernels("q-int8")
-    assert {m.method for m in int8.model.modules() if isinstance(m, QuantizedLinear)} == {"int8"}
-    kl, agree = quality(int8.model)
-    assert kl < 0.01 and agree >= 0.95, (kl, agree)
-
-
 def test_dummy_weights_in_a_block_format_run_a_shape_without_its_file(tmp_path):
     """`--load-format dummy --quantization q8_0`: a config-only directory served from random Q8_0 blocks
     (how shapes without a downloadable file are measured as they would serve)."""
@@ -169,3 +128,9 @@ def test_dummy_weights_in_a_block_format_run_a_shape_without_its_file(tmp_path):
         )
     with pytest.raises(ValueError, match="random weights in that format for --load-format dummy"):
         build_engine(engine_config(model={"quantization": "q4_0"}))
+    # int8 quantizes the dummy float weights per channel (any width of whole 32-value groups).
+    engine = build_engine(
+        engine_config(model={"model": str(tmp_path), "load_format": "dummy", "quantization": "int8"})
+    )
+    assert {m.types for m in engine.model.modules() if isinstance(m, QuantizedLinear)} == {"INT8"}
+    engine.close()
