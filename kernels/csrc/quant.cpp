@@ -25,8 +25,9 @@
 // `linear` computes y = x @ W^T + b two ways (chosen per row count by measurement, see
 // conveyor.kernels.selection): `dot` dequantizes kRows weight rows at a time into a buffer that stays in L1
 // and multiplies every row of x against them (a decode step reads each weight byte once, at its quantized
-// size); `dequant` dequantizes the whole weight and runs one float32 matmul (many rows: the matmul's
-// blocking pays for the extra pass). Sums are float32; only their order differs from a BLAS.
+// size); `dequant` dequantizes the weight in chunks of rows (8 MiB of float32 each, in one reused scratch)
+// and runs one float32 matmul per chunk (many rows: the matmul's blocking pays for the extra pass). Sums
+// are float32; only their order differs from a BLAS. (`int8`, the third way, is described below.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -63,6 +64,7 @@ enum Type : int64_t {
 constexpr int64_t kMagic = 0x31766e6f63;  // "conv1" in little-endian ASCII: a weight made by `pack`
 constexpr int64_t kHeaderWords = 4, kSegmentWords = 4, kAlign = 64;
 constexpr int64_t kRows = 4;  // weight rows dequantized together by `dot`
+constexpr int64_t kDequantChunkBytes = 8 << 20;  // float32 weight rows `dequant` holds at once
 
 struct Format {
   int64_t values, bytes;  // per block
@@ -608,15 +610,11 @@ void int8_row(const Layout& layout, int64_t n, const QuantizedX& xq, int64_t m, 
 
 enum Method : int64_t { kDot = 0, kDequant = 1, kInt8 = 2 };
 
-// The whole weight as float32 `[out_features, in_features]`, into `into` (resized as needed).
-void dequantize_into(const Layout& layout, Tensor& into) {
-  if (!into.defined() || into.size(0) != layout.out_features || into.size(1) != layout.in_features) {
-    into = at::empty({layout.out_features, layout.in_features}, at::kFloat);
-  }
-  float* out = into.data_ptr<float>();
+// Rows [first, first + rows) of the weight as float32, into out `[rows, in_features]`.
+void dequantize_rows(const Layout& layout, int64_t first, int64_t rows, float* out) {
   const int64_t K = layout.in_features;
-  at::parallel_for(0, layout.out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) layout.dequantize_row(n, out + n * K);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) layout.dequantize_row(first + n, out + n * K);
   });
 }
 
@@ -635,10 +633,25 @@ Tensor linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>
   const int64_t M = xf.size(0);
   Tensor out;
   if (method == kDequant) {
-    // One scratch weight per thread that calls (the engine's step thread): reused, not reallocated.
-    thread_local Tensor scratch;
-    dequantize_into(layout, scratch);
-    out = at::linear(xf, scratch, b.defined() ? c10::optional<Tensor>(b) : c10::nullopt);
+    // The weight in chunks of rows of at most kDequantChunkBytes float32 each (a 49152-row LM head would
+    // be 113 MB whole), each dequantized into one scratch per calling thread (the engine's step thread),
+    // reused across calls and layers, then one float32 matmul per chunk.
+    thread_local Tensor scratch_w;
+    Tensor& scratch = scratch_w;
+    const int64_t chunk = std::min(N, std::max<int64_t>(16, kDequantChunkBytes / (4 * K)));
+    if (!scratch.defined() || scratch.numel() < chunk * K) scratch = at::empty({chunk * K}, at::kFloat);
+    out = chunk == N ? Tensor() : at::empty({M, N}, at::kFloat);
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+      const int64_t rows = std::min(chunk, N - n0);
+      dequantize_rows(layout, n0, rows, scratch.data_ptr<float>());
+      const Tensor w = scratch.narrow(0, 0, rows * K).view({rows, K});
+      const c10::optional<Tensor> bias_rows = b.defined() ? c10::optional<Tensor>(b.narrow(0, n0, rows)) : c10::nullopt;
+      if (chunk == N) {
+        out = at::linear(xf, w, bias_rows);
+      } else {
+        out.narrow(1, n0, rows).copy_(at::linear(xf, w, bias_rows));
+      }
+    }
   } else if (method == kInt8) {
 #if defined(CONVEYOR_QUANT_INT8)
     // Reused by the thread that calls; the workers below read it through this reference (a lambda
@@ -698,8 +711,9 @@ Tensor embedding(const Tensor& packed, const Tensor& ids) {
 }
 
 Tensor dequantize(const Tensor& packed) {
-  Tensor out;
-  dequantize_into(read_layout(packed), out);
+  const Layout layout = read_layout(packed);
+  Tensor out = at::empty({layout.out_features, layout.in_features}, at::kFloat);
+  dequantize_rows(layout, 0, layout.out_features, out.data_ptr<float>());
   return out;
 }
 

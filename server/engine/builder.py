@@ -7,6 +7,8 @@ the engine. Every choice made here is logged once; every refusal is a ValueError
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 from collections.abc import Callable
 
@@ -172,6 +174,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             weight_bytes,
         )
         served_model_name = mc.served_model_name or source.default_name
+        release_freed_memory()
         return LLMEngine(
             config,
             tokenizer,
@@ -186,6 +189,15 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         if workers is not None:
             workers.shutdown()
         raise
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`). Loading frees a lot in
+    pieces glibc keeps: the float layers a quantized model replaced, a GGUF conversion's buffers, the
+    kernel selection's timing tensors (about 280 MB for the embedded model with `--quantization gguf`),
+    which would otherwise stay in the resident set. Does nothing where libc has no `malloc_trim`."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _max_model_len(flag: int | None, shape: ModelShape | GenericShape) -> int:

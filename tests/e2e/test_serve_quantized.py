@@ -59,3 +59,20 @@ def test_a_block_format_without_dummy_weights_stops_the_start_naming_the_flag(tm
     assert done.returncode != 0
     assert "--quantization q4_0 makes random weights in that format for --load-format dummy" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_memory_benchmark_weighs_a_quantized_server(tmp_path, capsys):
+    """`python -m conveyor.benchmarks.memory --quantization gguf`: a real server's resident set against
+    its weights (the file's blocks), KV pool and runtime, all measured in the run."""
+    import json
+
+    from conveyor.benchmarks import memory
+
+    out = tmp_path / "memory.json"
+    assert memory.main(["--quantization", "gguf", "--json", str(out)]) == 0
+    assert "| gguf | 92 |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["weight_bytes"] < 100 << 20 and result["runtime_bytes"] > 100 << 20
+    assert row["must_hold_bytes"] == row["weight_bytes"] + result["kv_cache_memory"] + result["runtime_bytes"]
+    assert row["peak_rss_bytes"] >= row["rss_bytes"] > row["weight_bytes"] + result["kv_cache_memory"]

@@ -166,6 +166,16 @@ def test_bad_input_is_refused_with_the_reason(ops):
         QuantizedWeight(((GGMLQuantizationType.IQ2_XS, torch.zeros(1, 1, dtype=torch.uint8)),), 256)
 
 
+def test_the_dequant_method_takes_a_large_weight_in_chunks_of_rows(ops):
+    """A weight over the 8 MiB float32 chunk (3000 x 1024 rows: 2048 rows, then 952) gives the same
+    outputs and bias as a whole matmul."""
+    w = weight(GGMLQuantizationType.Q8_0, 3000, 1024, seed=7)
+    x, bias = torch.randn(12, 1024), torch.randn(3000)
+    truth = F.linear(x.double(), w.dequantize().double(), bias.double())
+    out = ops.linear(x, pack(ops, w), bias, 1)
+    torch.testing.assert_close(out.double(), truth, rtol=1e-5, atol=1e-4)
+
+
 def test_int8_quantization_rounds_each_row_to_its_own_scale():
     """`quantize_int8`: per row d = max|w| / 127, |w - q * d| <= d / 2, the largest value exact up to
     float32 rounding; rows of other widths are refused."""
