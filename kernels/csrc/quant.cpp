@@ -598,27 +598,33 @@ void int8_tile(const uint8_t* const* rows, const QuantizedX& xq, int64_t m, int6
   }
 }
 
-// Weight rows per pass when x has fewer rows than kInt8Tile: four for the 32-value formats; one for the
-// K-quants, whose groups decode more per value (four rows measured 0.84-0.93x of one on AVX2).
+// Decode steps (x with fewer rows than kInt8Tile) take four weight rows per pass, sharing each load of x
+// and running four independent sums: 1.2-1.8x one row at a time where unpacking bounds the speed (4- and
+// 5-bit formats, and short rows), measured on AVX2. Long Q8_0 and INT8 rows are bound by memory and
+// stream best one at a time (four at once ran at 0.9x for 2048-value rows).
 template <int64_t Type>
-constexpr int kDecodeRows = 4;
+inline bool four_rows(int64_t row_bytes) {
+  return !(Type == kQ8_0 || Type == kChannelInt8) || 4 * row_bytes <= 4096;
+}
 
 // Output columns [n0, n0 + count) of one segment (format Type, weight rows at `data`): every row of x.
-// kDecodeRows weight rows at a time against one row of x (decode), else one weight row against kInt8Tile
-// rows of x.
+// Four weight rows at a time against one row of x (decode, see four_rows), else one weight row against
+// kInt8Tile rows of x.
 template <int64_t Type>
 void int8_columns(const uint8_t* data, int64_t row_bytes, int64_t n0, int64_t count, const QuantizedX& xq, int64_t M,
                   int64_t groups, const float* bias, float* out, int64_t N) {
   for (int64_t c = 0; c < count;) {
     const int64_t n = n0 + c;
     const float* bn = bias ? bias + n : nullptr;
-    if (kDecodeRows<Type> == 4 && M < kInt8Tile && c + 4 <= count) {
-      // The next four rows into cache while these compute: four interleaved row streams within a page
-      // defeat the hardware prefetcher on a weight read from memory (a 49152-row Q8_0 LM head ran at
+    if (M < kInt8Tile && c + 4 <= count && four_rows<Type>(row_bytes)) {
+      // The next four rows into cache while these compute: four interleaved short rows within a page
+      // defeat the hardware prefetcher on a weight read from memory (a 49152 x 576 Q8_0 LM head ran at
       // 0.65x of one row at a time without this).
-      const uint8_t* next = data + (c + 4) * row_bytes;
-      const int64_t ahead = std::min<int64_t>(4, count - c - 4) * row_bytes;
-      for (int64_t i = 0; i < ahead; i += 64) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+      if (4 * row_bytes <= 4096) {  // longer rows stream well (and prefetching them all at once cost 0.8x)
+        const uint8_t* next = data + (c + 4) * row_bytes;
+        const int64_t ahead = std::min<int64_t>(4, count - c - 4) * row_bytes;
+        for (int64_t i = 0; i < ahead; i += 64) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+      }
       const uint8_t* rows[4] = {data + c * row_bytes, data + (c + 1) * row_bytes, data + (c + 2) * row_bytes,
                                 data + (c + 3) * row_bytes};
       for (int64_t m = 0; m < M; ++m) int8_tile<Type, 4, 1>(rows, xq, m, groups, bn, out + m * N + n, N);

@@ -382,7 +382,7 @@ def check_quantization(
     tp_size: int,
     load_format: str = "auto",
 ) -> None:
-    """Refuse a `--quantization` this start cannot serve, before anything loads: `gguf` needs a .gguf
+    """Refuse a `--quantization` this start cannot serve, before the model loads: `gguf` needs a .gguf
     model's weights (not `--load-format dummy`), a block format (`q4_0` ...) needs `--load-format
     dummy`, `int8` takes either; all need a CPU, the C++ kernel backend and one rank. Raises ValueError
     naming the flag."""
@@ -400,9 +400,9 @@ def check_quantization(
             )
     elif quantization != "int8" and load_format != "dummy":
         raise ValueError(
-            f"--quantization {quantization} makes random weights in that format for --load-format dummy; "
-            "a .gguf file's own blocks are served with --quantization gguf, any checkpoint quantized at "
-            "load with --quantization int8"
+            f"--quantization {quantization} makes random weights in that format for --load-format dummy "
+            "(add it to measure a shape without weights); a .gguf file's own blocks are served with "
+            "--quantization gguf, any checkpoint quantized at load with --quantization int8"
         )
     if device.type != "cpu" or backend != "cpu":
         raise ValueError(
