@@ -10,6 +10,9 @@ so `converted()` does it once per file and saves the result in Hugging Face layo
 float32 safetensors, with `save_pretrained`) under `${XDG_CACHE_HOME:-~/.cache}/conveyor/models/`, keyed
 by the file's path, size and mtime and the transformers version; later starts load that directory in
 about a second. The values are the dequantized float32 weights themselves, so outputs do not change.
+Each copy records its source in `source.json`; a new conversion deletes the copies of the same file
+name whose source is gone or changed (a reinstalled wheel, a removed checkout), so the cache holds
+one copy per live file instead of growing by one per install location.
 
 `load_format="dummy"` (vLLM's spelling) needs only the model's config.json: every parameter is drawn
 uniformly from [-1e-3, 1e-3] (vLLM's `initialize_dummy_weights` range) with a fixed seed, so GPU-scale
@@ -25,6 +28,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -174,6 +178,7 @@ def converted(source: ModelSource, weights: bool = True) -> ModelSource:
         config.dtype = torch.float32  # the dtype of the weights the copy holds (or will)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve()), "key": key}))
         if weights:
             _save_weights(source, tmp)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp makes it private; the cache may be shared
@@ -187,10 +192,31 @@ def converted(source: ModelSource, weights: bool = True) -> ModelSource:
                 _save_weights(source, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _prune_stale_copies(target, gguf)
     return done
 
 
 WEIGHTS_FILE = "model.safetensors"
+SOURCE_FILE = "source.json"
+
+
+def _prune_stale_copies(target: Path, gguf: Path) -> None:
+    """Delete the cached copies of `gguf.name` other than `target` whose source is gone or changed:
+    their `source.json` names a file that no longer exists, or this same file under an older key
+    (size, mtime or transformers version), or they have no `source.json` at all (written by a
+    version that did not record it). Copies of other live files of the same name are kept."""
+    pattern = re.compile(re.escape(gguf.stem) + r"-[0-9a-f]{12}")
+    for entry in target.parent.iterdir():
+        if entry == target or not entry.is_dir() or not pattern.fullmatch(entry.name):
+            continue
+        try:
+            record = json.loads((entry / SOURCE_FILE).read_text())
+            live = Path(record["gguf"]).is_file() and record["gguf"] != str(gguf.resolve())
+        except (OSError, ValueError, KeyError, TypeError):
+            live = False
+        if not live:
+            logger.info("removing the stale converted copy %s", entry)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _save_weights(source: ModelSource, directory: Path) -> None:

@@ -5,6 +5,7 @@ with transformers reading the GGUF directly."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -62,6 +63,35 @@ def test_a_start_without_float_weights_converts_only_config_and_tokenizer(tmp_pa
     assert loader.converted(embedded) == source
     assert (Path(source.path) / loader.WEIGHTS_FILE).is_file()
     assert sorted(p.name for p in Path(source.path).iterdir()) == sorted([*files, loader.WEIGHTS_FILE])
+
+
+def test_a_conversion_removes_copies_whose_source_is_gone(tmp_path, monkeypatch, embedded):
+    """One copy per live file, not one per install location: a copy whose GGUF was deleted (a removed
+    checkout's venv), one of this same file under an older key, and one without a source record are
+    removed; a copy of another live file of the same name stays."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "conveyor" / "models"
+    stem = Path(embedded.gguf_file).stem
+    other = tmp_path / "elsewhere" / embedded.gguf_file
+    other.parent.mkdir()
+    other.write_bytes(b"GGUF")
+    records = {
+        "0" * 12: {"gguf": str(tmp_path / "gone" / embedded.gguf_file)},
+        "1" * 12: {"gguf": str((Path(embedded.path) / embedded.gguf_file).resolve())},
+        "2" * 12: None,
+        "3" * 12: {"gguf": str(other)},
+    }
+    for suffix, record in records.items():
+        (cache / f"{stem}-{suffix}").mkdir(parents=True)
+        if record is not None:
+            (cache / f"{stem}-{suffix}" / loader.SOURCE_FILE).write_text(json.dumps(record))
+    (cache / "another-model-000000000000").mkdir()
+    source = loader.converted(embedded, weights=False)
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [Path(source.path).name, f"{stem}-{'3' * 12}", "another-model-000000000000"]
+    )
+    record = json.loads((Path(source.path) / loader.SOURCE_FILE).read_text())
+    assert record["gguf"] == str((Path(embedded.path) / embedded.gguf_file).resolve())
 
 
 def test_unwritable_cache_reads_the_gguf(tmp_path, monkeypatch, caplog, embedded):
