@@ -27,6 +27,7 @@ KERNEL_NAMES = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "fused_moe",
 )
 BACKENDS = {
     "torch": "conveyor.kernels.reference",
@@ -115,6 +116,15 @@ class KernelBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def fused_moe(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor: ...
 
 
 def default_backend(device_type: str) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conveyor.kernels import AttentionMetadata
+from conveyor.kernels import AttentionMetadata, reference
 from conveyor.kernels.reference import check_window_and_soft_cap, prefill_attention
 
 logger = logging.getLogger(__name__)
@@ -265,6 +265,18 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """See `conveyor.kernels.reference.silu_and_mul`."""
     return torch.ops.conveyor_cpu.silu_and_mul(x)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """See `conveyor.kernels.reference.fused_moe`, which runs it: tokens sorted by expert, one torch
+    matmul (oneDNN / MKL) per active expert over its tokens. No C++ kernel of its own yet."""
+    return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
 class CPULinear(nn.Module):

@@ -499,3 +499,40 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: `silu(x[:, :I]) * x[:, I:]`. x: `[num_tokens, 2 * I]` -> `[num_tokens, I]`."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """A mixture-of-experts MLP over the experts the router chose: for each token t,
+    `sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` with `e = topk_ids[t, j]`
+    (vLLM's `fused_moe` contract; SwiGLU experts as Qwen-MoE, Mixtral and OLMoE have them).
+
+    The (token, choice) pairs are sorted by expert, so each expert the step uses runs one matmul over
+    all its tokens, in expert order (the order transformers' eager experts add them up); experts no
+    token chose are not read. hidden: `[num_tokens, hidden_size]`; w13: `[num_experts,
+    2 * intermediate_size, hidden_size]`, gate rows then up rows; w2: `[num_experts, hidden_size,
+    intermediate_size]`; topk_weights: `[num_tokens, top_k]` float32; topk_ids: `[num_tokens, top_k]`
+    int64 in [0, num_experts). Returns `[num_tokens, hidden_size]` in hidden's dtype, the weighted sum
+    accumulated in float32.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order].float()
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start : start + count]
+        expert_out = F.linear(silu_and_mul(F.linear(hidden[rows], w13[expert])), w2[expert])
+        out.index_add_(0, rows, expert_out.float() * weights[start : start + count, None])
+        start += count
+    return out.to(hidden.dtype)

@@ -6,7 +6,7 @@ set before `triton` is first imported).
 
 import torch
 
-from conveyor.kernels import AttentionMetadata
+from conveyor.kernels import AttentionMetadata, reference
 from conveyor.kernels.reference import rope_cos_sin_cache
 from conveyor.kernels.triton.device import TritonUnavailableError
 from conveyor.kernels.triton.paged_attention import paged_attention
@@ -28,9 +28,22 @@ def prepare_metadata(
     return None
 
 
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """See `conveyor.kernels.reference.fused_moe`, which runs it on the device (torch matmuls per active
+    expert). No Triton grouped GEMM of its own yet."""
+    return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
 __all__ = [
     "TritonUnavailableError",
     "fused_add_rms_norm",
+    "fused_moe",
     "paged_attention",
     "prepare_metadata",
     "reshape_and_cache",

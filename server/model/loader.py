@@ -56,9 +56,13 @@ SUPPORTED_MODEL_TYPES = {
     "granite",
     "llama",
     "mistral",
+    "mixtral",
+    "olmoe",
     "phi3",
     "qwen2",
+    "qwen2_moe",
     "qwen3",
+    "qwen3_moe",
 }
 
 

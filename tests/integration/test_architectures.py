@@ -92,6 +92,29 @@ def _config(kind: str):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         )
+    experts = dict(num_experts_per_tok=2)
+    if kind == "qwen3_moe":  # qk-norm, renormalized top-k; layer 1 of 3 keeps a dense MLP
+        return transformers.Qwen3MoeConfig(
+            **{**SHAPE, "num_hidden_layers": 3},
+            **experts,
+            num_experts=8,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if kind == "qwen2_moe":  # q/k/v biases, a gated shared expert, raw top-k probabilities
+        return transformers.Qwen2MoeConfig(
+            **SHAPE,
+            **experts,
+            num_experts=8,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+        )
+    if kind == "mixtral":  # top-2 of 4 experts of intermediate_size, every layer sliding
+        return transformers.MixtralConfig(**SHAPE, **experts, num_local_experts=4, sliding_window=WINDOW)
+    if kind == "olmoe":  # q and k normed over all heads at once
+        return transformers.OlmoeConfig(**SHAPE, **experts, num_experts=8, norm_topk_prob=False)
     raise ValueError(kind)
 
 
@@ -118,6 +141,10 @@ def tokenizer():
         "gemma",
         "gemma2",
         "gemma3",
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "olmoe",
     ],
 )
 @pytest.mark.parametrize("backend", ["cpu", "torch"])  # the C++ kernels, and the torch reference

@@ -277,6 +277,31 @@ def test_silu_and_mul_matches_definition():
     torch.testing.assert_close(ref.silu_and_mul(x), gate * torch.sigmoid(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_matches_the_per_token_definition(dtype: torch.dtype):
+    """Each token's output is the routing-weighted sum of its chosen experts' SwiGLU MLPs; experts no
+    token chose (7 of 16 here) may hold anything (NaN) without touching the result."""
+    g = torch.Generator().manual_seed(5)
+    tokens, hidden, width, experts, top_k = 9, 32, 24, 16, 2
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * width, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, width, generator=g) / width**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(9, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    w13[9:] = float("nan")
+    w2[9:] = float("nan")
+    expected = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = ids[t, j]
+            gate, up = (w13[e].float() @ x[t].float()).chunk(2)
+            expected[t] += weights[t, j] * (w2[e].float() @ (F.silu(gate) * up))
+    out = ref.fused_moe(x, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == (tokens, hidden)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
 @pytest.mark.parametrize(
     "rope_scaling",
     [

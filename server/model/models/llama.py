@@ -13,7 +13,7 @@ shard and the model sums row-parallel outputs and the vocabulary-parallel embedd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -76,6 +76,19 @@ class ModelShape:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     local_rope_theta: float | None = None
+    # OLMoE: q and k RMS-normed over the whole projection (all heads at once), not per head.
+    qk_norm_all_heads: bool = False
+    # Mixture of experts (Qwen2/3-MoE, Mixtral, OLMoE): `num_experts` SwiGLU experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` chosen per token by a softmax router (the chosen
+    # probabilities renormalized to sum to 1 with `norm_topk_prob`), on the layers `moe_layers` marks
+    # (the others keep a dense MLP of `intermediate_size`); Qwen2-MoE adds a shared expert of
+    # `shared_expert_intermediate_size` behind a sigmoid gate. num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
@@ -103,6 +116,8 @@ class ModelShape:
         elif gemma:
             attention_multiplier = float(getattr(config, "query_pre_attn_scalar", head_dim)) ** -0.5
         window, sliding = sliding_layers(config)
+        if getattr(config, "clip_qkv", None) is not None:
+            raise ValueError(f"clip_qkv is not supported (model type {kind!r})")
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -116,11 +131,12 @@ class ModelShape:
             rope_scaling=scaling,
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", gemma)),
-            # Qwen2 has q/k/v biases; Llama exposes `attention_bias` (q/k/v and o).
-            attention_bias=bool(getattr(config, "attention_bias", False)) or kind == "qwen2",
+            # Qwen2 (and Qwen2-MoE) has q/k/v biases; Llama exposes `attention_bias` (q/k/v and o).
+            attention_bias=bool(getattr(config, "attention_bias", False)) or kind in ("qwen2", "qwen2_moe"),
             o_proj_bias=bool(getattr(config, "attention_bias", False))
             and kind in ("llama", "granite", *GEMMA_TYPES),
-            qk_norm=kind in ("qwen3", "gemma3_text"),
+            qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
+            qk_norm_all_heads=kind == "olmoe",
             embedding_multiplier=config.hidden_size**0.5
             if gemma
             else float(getattr(config, "embedding_multiplier", 1.0)),
@@ -136,7 +152,31 @@ class ModelShape:
             sliding_window=window,
             sliding_layers=sliding,
             local_rope_theta=local_theta,
+            **_experts(config),
         )
+
+
+def _experts(config) -> dict:
+    """ModelShape's mixture-of-experts fields from a config (empty for a dense model): Mixtral's
+    `num_local_experts` (always renormalized, every layer sparse), or `num_experts` with Qwen-MoE's
+    `decoder_sparse_step` / `mlp_only_layers` and shared expert, and OLMoE's `norm_topk_prob`."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    if not experts:
+        return {}
+    kind = config.model_type
+    layers = config.num_hidden_layers
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(config.num_experts_per_tok),
+        "moe_intermediate_size": int(
+            getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        ),
+        "norm_topk_prob": kind == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(getattr(config, "shared_expert_intermediate_size", None) or 0),
+        "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+    }
 
 
 def _rope(config) -> tuple[float, dict | None, float | None]:
@@ -215,8 +255,10 @@ class LlamaAttention(nn.Module):
             shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_proj_bias)
-        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
-        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
+        self.qk_norm_all_heads = shape.qk_norm_all_heads
+        q_width, k_width = (self.q_size, self.kv_size) if shape.qk_norm_all_heads else (shape.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, shape.rms_norm_eps, ops) if shape.qk_norm else None
+        self.k_norm = RMSNorm(k_width, shape.rms_norm_eps, ops) if shape.qk_norm else None
         self.scale = shape.attention_multiplier or shape.head_dim**-0.5
         self.window = shape.sliding_window if sliding else None
         self.softcap = shape.attn_logit_softcap
@@ -234,10 +276,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_all_heads:  # over the whole projection (OLMoE)
+            q, k = self.q_norm(q.contiguous())[0], self.k_norm(k.contiguous())[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per head, over head_dim (Qwen3, Gemma 3)
+        if self.q_norm is not None and not self.qk_norm_all_heads:  # per head (Qwen3, Gemma 3)
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
                 num_tokens, self.num_kv_heads, self.head_dim
@@ -303,6 +347,47 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(hidden))
 
 
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (`ModelShape`'s expert fields): a softmax router over `num_experts`
+    picks `num_experts_per_tok` experts per token and the kernel backend's `fused_moe` runs them; a
+    shared expert (Qwen2-MoE) adds `sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+
+    Router logits are computed in the weights' dtype and soft-maxed in float32, as transformers does.
+    The router and the experts' stacked weights are parameters, not `nn.Linear`s: they are never
+    quantized or repacked (one rank only)."""
+
+    def __init__(self, shape: ModelShape, ops: KernelBackend, part: Partition, tp: TensorParallel) -> None:
+        super().__init__()
+        experts, width, hidden = shape.num_experts, shape.moe_intermediate_size, shape.hidden_size
+        self.gate = nn.Parameter(torch.empty(experts, hidden))
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * width, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, width))
+        self.top_k = shape.num_experts_per_tok
+        self.norm_topk_prob = shape.norm_topk_prob
+        self.shared_expert = None
+        if shape.shared_expert_intermediate_size:
+            shared = replace(part, intermediate_size=shape.shared_expert_intermediate_size)
+            self.shared_expert = LlamaMLP(shape, ops, shared, tp)
+            self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden))
+        self.ops = ops
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: `[num_tokens, hidden_size]` -> (weights `[num_tokens, top_k]` float32, expert ids
+        `[num_tokens, top_k]` int64), highest probability first."""
+        probs = torch.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return out
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks on a residual stream carried beside the hidden states (each
     norm adds the residual first, fused). With `sandwich_norms` (Gemma 2/3) the attention output and the
@@ -316,6 +401,7 @@ class LlamaDecoderLayer(nn.Module):
         part: Partition,
         tp: TensorParallel,
         sliding: bool = False,
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         norm = partial(RMSNorm, shape.hidden_size, shape.rms_norm_eps, ops)
@@ -324,7 +410,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if shape.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if shape.sandwich_norms else None
-        self.mlp = LlamaMLP(shape, ops, part, tp)
+        self.mlp = SparseMoE(shape, ops, part, tp) if sparse else LlamaMLP(shape, ops, part, tp)
         self.residual_multiplier = shape.residual_multiplier
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
@@ -361,9 +447,15 @@ class LlamaForCausalLM(nn.Module):
         )
         vocab_rows = part.vocab_per_rank if tp.size > 1 else shape.vocab_size
         self.embed_tokens = nn.Embedding(vocab_rows, shape.hidden_size)
+        if tp.size > 1 and (shape.num_experts or shape.qk_norm_all_heads):
+            raise ValueError(
+                "tensor parallelism of mixture-of-experts models and of q/k norms over all heads "
+                "(OLMoE) is not supported: run them with --tensor-parallel-size 1"
+            )
         sliding = shape.sliding_layers or (False,) * shape.num_layers
+        sparse = shape.moe_layers or (False,) * shape.num_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, ops, part, tp, sliding[i]) for i in range(shape.num_layers)
+            LlamaDecoderLayer(shape, ops, part, tp, sliding[i], sparse[i]) for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
@@ -473,9 +565,14 @@ class LlamaForCausalLM(nn.Module):
         part, hd = self.partition, self.shape.head_dim
         tp = self.tp.size > 1
 
+        # A multimodal checkpoint's language model (Gemma 3) nests the decoder's names.
+        prefixes = ("", "model.", "model.language_model.", "language_model.model.", "language_model.")
+
+        def has(name: str) -> bool:
+            return any(prefix + name in state_dict for prefix in prefixes)
+
         def get(name: str) -> torch.Tensor:
-            # A multimodal checkpoint's language model (Gemma 3) nests the decoder's names.
-            for prefix in ("", "model.", "model.language_model.", "language_model.model.", "language_model."):
+            for prefix in prefixes:
                 if prefix + name in state_dict:
                     return state_dict[prefix + name]
             raise KeyError(name)
@@ -515,6 +612,39 @@ class LlamaForCausalLM(nn.Module):
                 return
             dense = [part.dequantize() if isinstance(part, QuantizedWeight) else part for part in parts]
             getattr(owner, attr).weight.copy_(torch.cat(dense))
+
+        def dense(t: torch.Tensor) -> torch.Tensor:
+            return t.dequantize() if isinstance(t, QuantizedWeight) else t
+
+        def experts(moe: SparseMoE, p: str) -> None:
+            """Router, experts and shared expert of a sparse layer: Mixtral's `block_sparse_moe` with
+            experts' w1 (gate), w3 (up), w2 (down), or Qwen-MoE / OLMoE's `mlp` with gate/up/down_proj,
+            one tensor per expert as checkpoints store them, or stacked `experts.gate_up_proj` /
+            `experts.down_proj` (transformers 5's in-memory layout, gate rows first)."""
+            block = p + ("block_sparse_moe." if has(p + "block_sparse_moe.gate.weight") else "mlp.")
+            moe.gate.copy_(dense(get(block + "gate.weight")))
+            try:
+                moe.w13.copy_(dense(get(block + "experts.gate_up_proj")))
+                moe.w2.copy_(dense(get(block + "experts.down_proj")))
+            except KeyError:
+                names = (
+                    ("w1", "w3", "w2")
+                    if "block_sparse_moe" in block
+                    else ("gate_proj", "up_proj", "down_proj")
+                )
+                for e in range(moe.w13.shape[0]):
+                    gate, up, down = (dense(get(f"{block}experts.{e}.{n}.weight")) for n in names)
+                    moe.w13[e].copy_(torch.cat([gate, up]))
+                    moe.w2[e].copy_(down)
+            if moe.shared_expert is not None:
+                shared = block + "shared_expert."
+                set_linear(
+                    moe.shared_expert,
+                    "gate_up_proj",
+                    [get(shared + f"{n}_proj.weight") for n in ("gate", "up")],
+                )
+                set_linear(moe.shared_expert, "down_proj", [get(shared + "down_proj.weight")])
+                moe.shared_expert_gate.copy_(dense(get(block + "shared_expert_gate.weight")))
 
         try:
             embed = get("embed_tokens.weight")
@@ -567,9 +697,12 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None:
                 norm(attn.q_norm, p + "self_attn.q_norm.weight")
                 norm(attn.k_norm, p + "self_attn.k_norm.weight")
-            gate, up = gate_up()
-            set_linear(layer.mlp, "gate_up_proj", [rows(gate, *mlp_rows), rows(up, *mlp_rows)])
-            set_linear(layer.mlp, "down_proj", [cols(get(p + "mlp.down_proj.weight"), *mlp_rows)])
+            if isinstance(layer.mlp, SparseMoE):
+                experts(layer.mlp, p)
+            else:
+                gate, up = gate_up()
+                set_linear(layer.mlp, "gate_up_proj", [rows(gate, *mlp_rows), rows(up, *mlp_rows)])
+                set_linear(layer.mlp, "down_proj", [cols(get(p + "mlp.down_proj.weight"), *mlp_rows)])
             norm(layer.input_layernorm, p + "input_layernorm.weight")
             norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
             if layer.pre_feedforward_layernorm is not None:
