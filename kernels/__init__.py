@@ -180,7 +180,9 @@ def pack_weights(
     weights are final (loaded, cast, sharded). Returns what was done, for the start-up log.
 
     On a CPU in float32 or bfloat16 each layer gets the kernels `selection.select_linear_kernels`
-    measured fastest for its shape at each row count (the C++ panel kernel only with the C++ backend).
+    measured fastest for its shape at each row count (the C++ panel kernel only with the C++ backend),
+    and with the C++ backend each mixture-of-experts layer its `fused_moe` likewise
+    (`selection.select_moe_kernels`).
     Elsewhere (CUDA, float16) the weights stay as they are. Raises `cpu.CPUKernelBuildError` when the
     C++ kernels cannot be built; ValueError for a bad `CONVEYOR_CPU_KERNELS`.
     """
@@ -191,4 +193,6 @@ def pack_weights(
         return f"matmuls: {name} weights as loaded"
     tables = selection.select_linear_kernels(model, dtype, panel=backend is cpu)
     used = sorted({kernel for table in tables.values() for kernel in table.names()})
+    experts = selection.select_moe_kernels(model) if backend is cpu else {}
+    used += sorted({kernel for table in experts.values() for kernel in table.names()})
     return f"CPU matmuls ({name}): {len(tables)} layer shapes, each with its fastest kernel per row count ({', '.join(used)})"

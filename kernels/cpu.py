@@ -39,7 +39,9 @@ from conveyor.kernels.reference import check_window_and_soft_cap, prefill_attent
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp", CSRC / "quant.cpp", CSRC / "decoder.cpp")
+SOURCES = tuple(
+    CSRC / name for name in ("cpu_kernels.cpp", "linear.cpp", "quant.cpp", "decoder.cpp", "moe.cpp")
+)
 EXTENSION_NAME = "conveyor_cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 # Set (to anything but "" or "0") to build the kernels without AVX-512 on a CPU that has it, as vLLM's
@@ -274,9 +276,12 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """See `conveyor.kernels.reference.fused_moe`, which runs it: tokens sorted by expert, one torch
-    matmul (oneDNN / MKL) per active expert over its tokens. No C++ kernel of its own yet."""
-    return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    """See `conveyor.kernels.reference.fused_moe`: `csrc/moe.cpp` (pairs sorted by expert, each active
+    expert's weights streamed once for its tokens, threads over experts and rows) for float32 and
+    bfloat16; the reference for other dtypes."""
+    if hidden.dtype not in (torch.float32, torch.bfloat16):
+        return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    return torch.ops.conveyor_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
 class CPULinear(nn.Module):

@@ -34,6 +34,7 @@ import platform
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -221,7 +222,7 @@ def machine_key() -> dict[str, str]:
                 cpuinfo.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    source = (cpu.CSRC / "linear.cpp").read_bytes() + (cpu.CSRC / "quant.cpp").read_bytes()
+    source = b"".join((cpu.CSRC / name).read_bytes() for name in ("linear.cpp", "quant.cpp", "moe.cpp"))
     return {
         "cpu": cpuinfo.get("model name", platform.processor() or platform.machine()),
         "flags": hashlib.sha256(cpuinfo.get("flags", cpuinfo.get("Features", "")).encode()).hexdigest()[:16],
@@ -253,22 +254,119 @@ def cached_timings(
     (timings, where from)."""
     shape = (linear.in_features, linear.out_features)
     path = table_path(machine, shape, dtype, candidates, getattr(linear, "types", ""))
+    return _cached(path, machine, list(shape), lambda: measure(linear, candidates, dtype))
+
+
+def _cached(
+    path: Path,
+    machine: dict[str, str],
+    shape: list[int],
+    measure_now: Callable[[], dict[int, dict[str, float]]],
+) -> tuple[dict[int, dict[str, float]], str]:
+    """The timings stored at `path`, or `measure_now()`'s, then stored there. Returns (timings, where
+    from)."""
     try:
         stored = json.loads(path.read_text())
         return {int(rows): times for rows, times in stored["timings"].items()}, "cached"
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     start = time.perf_counter()
-    timings = measure(linear, candidates, dtype)
+    timings = measure_now()
     elapsed = time.perf_counter() - start
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"key": machine, "shape": list(shape), "timings": timings}, indent=1))
+        partial.write_text(json.dumps({"key": machine, "shape": shape, "timings": timings}, indent=1))
         partial.replace(path)
     except OSError as exc:
         logger.warning("could not cache the kernel timings in %s: %s", path.parent, exc)
     return timings, f"measured in {elapsed:.1f} s"
+
+
+MoEKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def moe_candidates() -> dict[str, MoEKernel]:
+    """The candidates of a mixture-of-experts layer (the `fused_moe` contract), first the default:
+    `moe-cpp` (`csrc/moe.cpp`, weights streamed once per expert, best at decode sizes) and `moe-torch`
+    (the reference: one oneDNN / MKL matmul per active expert, which can win at prefill sizes)."""
+    from conveyor.kernels import cpu, reference
+
+    return {"moe-cpp": cpu.fused_moe, "moe-torch": reference.fused_moe}
+
+
+class SelectedMoE:
+    """A `fused_moe` that runs the candidate `dispatch` names for the call's token count."""
+
+    def __init__(self, dispatch: RowDispatch, candidates: dict[str, MoEKernel]) -> None:
+        self.dispatch = dispatch
+        self.kernels = {name: candidates[name] for name in dispatch.names()}
+
+    def __call__(self, hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+        kernel = self.kernels[self.dispatch.pick(hidden.shape[0])]
+        return kernel(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def measure_moe(
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, candidates: dict[str, MoEKernel]
+) -> dict[int, dict[str, float]]:
+    """Seconds per call of each candidate on a layer's real expert weights at each ROW_BUCKETS token
+    count, each token routed to `top_k` distinct experts drawn uniformly (fixed seed). Stops after the
+    first bucket whose fastest call exceeds CALL_BUDGET_S."""
+    experts, hidden_size = w13.shape[0], w13.shape[2]
+    generator = torch.Generator().manual_seed(0)
+    timings: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for rows in ROW_BUCKETS:
+            ids = torch.rand(rows, experts, generator=generator).topk(top_k, dim=-1).indices
+            weights = torch.rand(rows, top_k, generator=generator)
+            fns = {
+                name: partial(fn, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids)
+                for name, fn in candidates.items()
+            }
+            x = torch.randn(rows, hidden_size, generator=generator).to(w13.dtype)
+            timings[rows] = time_calls(fns, x)
+            if min(timings[rows].values()) > CALL_BUDGET_S:
+                break
+    return timings
+
+
+def select_moe_kernels(model: nn.Module) -> dict[tuple[int, int, int, int, str], RowDispatch]:
+    """Give every mixture-of-experts layer of `model` (a module with `w13`, `w2`, `top_k` and a
+    `fused_moe` attribute, `SparseMoE`) the candidates its shape's table names, measured here (or read
+    from the cache), in place. Logs one line per shape. Returns the tables by `(num_experts,
+    hidden_size, intermediate_size, top_k, dtype)`."""
+    candidates = moe_candidates()
+    machine = machine_key()
+    tables: dict[tuple[int, int, int, int, str], RowDispatch] = {}
+    for module in model.modules():
+        if not hasattr(module, "w13") or not hasattr(module, "fused_moe"):
+            continue
+        w13, w2 = module.w13.detach(), module.w2.detach()
+        dtype = str(w13.dtype).removeprefix("torch.")
+        key = (w13.shape[0], w13.shape[2], w2.shape[2], module.top_k, dtype)
+        if key not in tables:
+            record = {
+                **machine,
+                "moe": "x".join(map(str, key[:4])),
+                "dtype": dtype,
+                "candidates": ",".join(candidates),
+            }
+            digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+            path = cache_dir() / f"moe-{'x'.join(map(str, key[:4]))}-{dtype}-{digest}.json"
+            timings, source = _cached(
+                path, machine, list(key[:4]), partial(measure_moe, w13, w2, module.top_k, candidates)
+            )
+            tables[key] = choose(timings, candidates)
+            logger.info(
+                "experts %s (E x hidden x intermediate x top-k) %s: %s (%s)",
+                "x".join(map(str, key[:4])),
+                dtype,
+                tables[key],
+                source,
+            )
+        module.fused_moe = SelectedMoE(tables[key], candidates)
+    return tables
 
 
 def replace_linear_layers(

@@ -5,6 +5,8 @@ measurement on this CPU is cached and read back. The rule itself is in tests/uni
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +89,47 @@ def test_the_override_skips_the_measurement(monkeypatch):
     model = tiny_llama(False, torch.float32)
     tables = selection.select_linear_kernels(model, torch.float32, panel=True)
     assert {str(t) for t in tables.values()} == {"torch 1-63, onednn 64+"}
+
+
+def test_experts_run_the_kernel_their_table_names_and_a_real_measurement_is_cached(monkeypatch, caplog):
+    """A mixture-of-experts layer (`SparseMoE`): made-up timings split the two candidates at 4 tokens
+    and each call runs the named one; then a real measurement on this CPU is cached, read back, and
+    the layer's output stays the reference's."""
+    from conveyor.kernels import reference
+    from conveyor.server.model.models.llama import SparseMoE
+
+    shape = tiny_llama(False, torch.float32).shape
+    shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size = 8, 2, 24
+    torch.manual_seed(0)
+    moe = SparseMoE(shape, cpu, None, None)
+    for param in moe.parameters():
+        nn.init.normal_(param, std=0.2)
+    x = torch.randn(6, shape.hidden_size)
+    expected = reference.fused_moe(x, moe.w13, moe.w2, *moe.route(x))
+
+    real = {"measure_moe": selection.measure_moe, "moe_candidates": selection.moe_candidates}
+    calls: list[str] = []
+    fake = {b: {"moe-cpp": 1.0 if b <= 4 else 2.0, "moe-torch": 2.0 if b <= 4 else 1.0} for b in (1, 2, 4, 8)}
+    monkeypatch.setattr(selection, "measure_moe", lambda *args: fake)
+    monkeypatch.setattr(
+        selection,
+        "moe_candidates",
+        lambda: {
+            name: (lambda *a, name=name, fn=fn: calls.append(name) or fn(*a))
+            for name, fn in {"moe-cpp": cpu.fused_moe, "moe-torch": reference.fused_moe}.items()
+        },
+    )
+    tables = selection.select_moe_kernels(moe)
+    assert [str(t) for t in tables.values()] == ["moe-cpp 1-4, moe-torch 5+"]
+    moe(x[:3])
+    moe(x)
+    assert calls == ["moe-cpp", "moe-torch"]
+
+    for name, fn in real.items():
+        monkeypatch.setattr(selection, name, fn)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(Path(os.environ["XDG_CACHE_HOME"]) / "real"))
+    with caplog.at_level(logging.INFO, logger="conveyor.kernels.selection"):
+        first = selection.select_moe_kernels(moe)
+        assert selection.select_moe_kernels(moe) == first
+    assert "measured in" in caplog.text and "(cached)" in caplog.text
+    torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)

@@ -369,7 +369,8 @@ class SparseMoE(nn.Module):
             shared = replace(part, intermediate_size=shape.shared_expert_intermediate_size)
             self.shared_expert = LlamaMLP(shape, ops, shared, tp)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden))
-        self.ops = ops
+        # The kernel backend's, or per token count the one measured fastest (`selection.select_moe_kernels`).
+        self.fused_moe = ops.fused_moe
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: `[num_tokens, hidden_size]` -> (weights `[num_tokens, top_k]` float32, expert ids
@@ -382,7 +383,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = self.ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        out = self.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out
