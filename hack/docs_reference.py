@@ -167,15 +167,21 @@ def metrics_page() -> str:
     from conveyor.server.messages import EngineLimits
     from conveyor.server.router.metrics import RouterMetrics
 
-    limits = EngineLimits(
-        block_size=16, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=1, max_model_len=1
+    limits = EngineLimits(  # a mixture-of-experts model's, so its expert series are listed too
+        block_size=16,
+        num_kv_blocks=1,
+        max_num_seqs=1,
+        max_num_batched_tokens=1,
+        max_model_len=1,
+        num_experts=1,
+        sparse_layers=(0,),
     )
     sections = [
         (
             "Server (`conveyor serve`, `/metrics`)",
             "Names follow vLLM's with the prefix `conveyor:` instead of `vllm:`, so dashboards, alert rules "
             "and endpoint pickers port over. Every series exists at zero from start.",
-            _families(EngineMetrics("MODEL", limits).registry),
+            _families(EngineMetrics("MODEL", limits, per_expert=True).registry),
         ),
         (
             "Router (`conveyor router`, `/metrics`)",

@@ -8,7 +8,7 @@ unknown name without overrides is an error (`UnknownGPUTypeError`, `UnknownModel
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MiB = 2**20
 GiB = 2**30
@@ -72,6 +72,9 @@ class ModelShape:
     max_position_embeddings: int | None
     num_heads: int | None = None  # attention heads and MLP width: None for override-only shapes
     intermediate_size: int | None = None
+    # Mixture of experts: experts per sparse layer and chosen per token (0 for a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
 
 # Total memory from `nvidia-smi --query-gpu=memory.total` (MiB); product labels from GPU feature
@@ -335,6 +338,80 @@ HF_CONFIGS: dict[str, dict] = {
         "pad_token_id": 0,
         "torch_dtype": "bfloat16",
     },
+    "qwen3-30b-a3b": {
+        **_QWEN3,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_window_layers": 48,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+    # A shape for the plan only: conveyor does not run gpt-oss (attention sinks, biased and clamped
+    # SwiGLU experts); its hub checkpoint stores the experts in MXFP4, the plan counts them in `dtype`.
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": 200002,
+        "pad_token_id": 199999,
+        "torch_dtype": "bfloat16",
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -373,7 +450,14 @@ HUB_IDS: dict[str, str] = {
     "phi-4": "microsoft/phi-4",
     "gemma-3-270m": "google/gemma-3-270m-it",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-Instruct-v0.1",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
 }
+
+# Catalog shapes conveyor plans for but does not serve (`conveyor plan` sizes them; a server refuses
+# their model type natively).
+PLAN_ONLY = frozenset({"gpt-oss-20b"})
 
 # Parameter counts from each model's safetensors index (embeddings included, since they occupy GPU
 # memory too); a test checks that the configs above give exactly these counts.
@@ -392,6 +476,9 @@ NUM_PARAMS: dict[str, int] = {
     "phi-4": 14_659_507_200,
     "gemma-3-270m": 268_098_176,
     "smollm2-135m": 134_515_008,
+    "qwen3-30b-a3b": 30_532_122_624,  # every expert counts: 3.3 B are active per token
+    "mixtral-8x7b": 46_702_792_704,
+    "gpt-oss-20b": 20_914_757_184,
 }
 
 
@@ -406,6 +493,8 @@ def _shape_from_hf_config(name: str, config: dict) -> ModelShape:
         max_position_embeddings=config["max_position_embeddings"],
         num_heads=heads,
         intermediate_size=config["intermediate_size"],
+        num_experts=config.get("num_experts") or config.get("num_local_experts") or 0,
+        num_experts_per_tok=config.get("num_experts_per_tok", 0),
     )
 
 
@@ -417,6 +506,8 @@ MODEL_ALIASES: dict[str, str] = {
     "mistral-7b-v0.1": "mistral-7b",
     "mistral-7b-v0.3": "mistral-7b",
     "qwen2.5-7b": "qwen2.5-7b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
 }
 
 _MODEL_SUFFIXES = ("-instruct", "-chat", "-hf")
@@ -501,13 +592,10 @@ def resolve_model_shape(
             num_params=num_params,  # type: ignore[arg-type]
             max_position_embeddings=None,
         )
-    return ModelShape(
-        name=known.name,
+    return replace(
+        known,
         num_layers=num_layers or known.num_layers,
         num_kv_heads=num_kv_heads or known.num_kv_heads,
         head_dim=head_dim or known.head_dim,
         num_params=num_params or known.num_params,
-        max_position_embeddings=known.max_position_embeddings,
-        num_heads=known.num_heads,
-        intermediate_size=known.intermediate_size,
     )

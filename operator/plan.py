@@ -146,6 +146,12 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
             f"tensorParallelSize {tp} with gpusPerReplica {gpus}: conveyor serve runs one rank per GPU, "
             "so a replica's GPUs and its tensor-parallel size must be equal (leave tensorParallelSize unset)"
         )
+    if shape.num_experts and tp > 1:  # the server's own rule (`LlamaForCausalLM` refuses it at start)
+        raise TensorParallelSizeError(
+            f"tensorParallelSize {tp}: {shape.name} is a mixture of experts, which conveyor serve runs on "
+            "one rank only (no tensor or expert parallelism of experts yet); use gpusPerReplica 1 on a GPU "
+            "that holds every expert"
+        )
     if shape.num_heads is not None and shape.intermediate_size is not None:
         try:  # the server's own rule (`conveyor serve` refuses these sizes at start)
             partition(
@@ -220,6 +226,17 @@ def format_plan(plan: SpecPlan) -> str:
             "model",
             f"{shape.name} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, "
             f"head_dim {shape.head_dim}, {shape.num_params / 1e9:.2f}B params)",
+        ),
+        *(
+            [
+                (
+                    "experts",
+                    f"{shape.num_experts} per sparse layer, {shape.num_experts_per_tok} per token; "
+                    "the weights count every expert",
+                )
+            ]
+            if shape.num_experts
+            else []
         ),
         (
             "gpus",

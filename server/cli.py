@@ -19,6 +19,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass
+from functools import partial
 from typing import get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
@@ -263,7 +264,8 @@ def serve(settings: ServeSettings) -> int:
     )
     server_config = settings.server
     try:
-        engine = build_engine(settings.engine, EngineMetrics)
+        per_expert = server_config.enable_expert_load_metrics
+        engine = build_engine(settings.engine, partial(EngineMetrics, per_expert=per_expert))
     except (ValueError, OSError) as exc:  # bad model, path, or shape; no network for a hub id
         print(f"conveyor serve: {exc}", file=sys.stderr)
         return 1

@@ -138,6 +138,11 @@ class ServerConfig(_Config):
     max_request_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="larger request bodies get 413 before they are parsed"
     )
+    enable_expert_load_metrics: bool = Field(
+        False,
+        description="mixture-of-experts models: also export conveyor:moe_expert_tokens, a counter per sparse "
+        "layer and expert (layers x experts series)",
+    )
     shutdown_grace_period: float = Field(
         30.0,
         ge=0,

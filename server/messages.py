@@ -146,6 +146,10 @@ class EngineLimits:
     quantization: str = "none"
     weights: str = ""
     weight_bytes: int = 0
+    # Mixture of experts: experts per sparse layer and the indexes of the sparse layers (0 and () for a
+    # dense model).
+    num_experts: int = 0
+    sparse_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -163,7 +167,9 @@ class SchedulerStats:
     num_running, num_waiting: requests. kv_cache_usage: fraction of KV blocks held (0-1).
     num_batched_tokens: tokens computed in the step; num_preempted: requests it preempted.
     prefix_cache_queries, prefix_cache_hits: tokens looked up in and found in the prefix cache in the
-    step (first admissions only: see `KVCacheManager.allocate_slots`).
+    step (first admissions only: see `KVCacheManager.allocate_slots`). expert_tokens: tokens the step
+    routed to each expert, `[num_sparse_layers][num_experts]` in the order of `EngineLimits.sparse_layers`
+    (mixture-of-experts models; None otherwise), from the model runner.
     """
 
     num_running: int
@@ -173,6 +179,7 @@ class SchedulerStats:
     num_preempted: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    expert_tokens: list[list[int]] | None = None
 
 
 @dataclass

@@ -25,6 +25,9 @@ ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# The busiest expert's load over the mean (1 = even; top_k / num_experts of every token on one expert
+# gives num_experts / top_k).
+IMBALANCE_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 
 
 def input_length_bucket(num_prompt_tokens: int) -> str:
@@ -39,11 +42,17 @@ def input_length_bucket(num_prompt_tokens: int) -> str:
 class EngineMetrics:
     """The engine's Prometheus series for one served model. Implements the engine's StatsObserver.
 
-    limits: the engine's (`LLMEngine.limits`), exported as labels of the config-info series.
+    limits: the engine's (`LLMEngine.limits`), exported as labels of the config-info series. A
+    mixture-of-experts model (`limits.num_experts`) adds the expert-load series; `per_expert`
+    (`--enable-expert-load-metrics`) adds one counter per sparse layer and expert.
     """
 
     def __init__(
-        self, model_name: str, limits: EngineLimits, registry: CollectorRegistry | None = None
+        self,
+        model_name: str,
+        limits: EngineLimits,
+        registry: CollectorRegistry | None = None,
+        per_expert: bool = False,
     ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
@@ -109,6 +118,35 @@ class EngineMetrics:
             ["model_name", "quantization", "weights", "weight_bytes"],
             registry=r,
         ).labels(model_name, limits.quantization, limits.weights, str(limits.weight_bytes)).set(1)
+        # Mixture of experts: how evenly the router spreads tokens, without a label per expert unless asked.
+        self.moe_routed = self.moe_imbalance = self.expert_tokens = None
+        self.sparse_layers = [str(layer) for layer in limits.sparse_layers]
+        if limits.num_experts:
+            self.moe_routed = Counter(
+                "conveyor:moe_routed_tokens",
+                "Token-to-expert assignments over all sparse layers (a token counts once per expert it chose).",
+                m,
+                registry=r,
+            )
+            self.moe_routed.labels(model_name)
+            self.moe_imbalance = hist(
+                "moe_expert_load_imbalance",
+                "Per step and sparse layer with at least one assignment per expert on average: the busiest "
+                "expert's tokens over the mean per expert (1 = even).",
+                m,
+                IMBALANCE_BUCKETS,
+            )
+            self.moe_imbalance.labels(model_name)
+        if limits.num_experts and per_expert:
+            self.expert_tokens = Counter(
+                "conveyor:moe_expert_tokens",
+                "Tokens routed to each expert of each sparse layer (--enable-expert-load-metrics).",
+                ["model_name", "layer", "expert"],
+                registry=r,
+            )
+            for layer in self.sparse_layers:
+                for expert in range(limits.num_experts):
+                    self.expert_tokens.labels(model_name, layer, str(expert))
         # Export every gauge and counter from the start, so a query sees 0 rather than no data.
         for series in (self.num_waiting, self.num_running, self.kv_usage, self.prompt_tokens):
             series.labels(model_name)
@@ -135,6 +173,20 @@ class EngineMetrics:
         self.preemptions.labels(name).inc(stats.num_preempted)
         self.prefix_queries.labels(name).inc(stats.prefix_cache_queries)
         self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
+        if stats.expert_tokens and self.moe_routed is not None:
+            self._observe_experts(stats.expert_tokens)
+
+    def _observe_experts(self, expert_tokens: list[list[int]]) -> None:
+        name = self.model_name
+        for layer, counts in zip(self.sparse_layers, expert_tokens, strict=True):
+            total = sum(counts)
+            self.moe_routed.labels(name).inc(total)
+            if total >= len(counts):  # fewer assignments than experts: every step would look uneven
+                self.moe_imbalance.labels(name).observe(max(counts) * len(counts) / total)
+            if self.expert_tokens is not None:
+                for expert, count in enumerate(counts):
+                    if count:
+                        self.expert_tokens.labels(name, layer, str(expert)).inc(count)
 
     def on_new_tokens(
         self, request: Request, num_new_tokens: int, now: float, previous_token_time: float | None

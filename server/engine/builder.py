@@ -172,6 +172,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             mc.quantization or "none",
             weights,
             weight_bytes,
+            *_experts(model),
         )
         served_model_name = mc.served_model_name or source.default_name
         release_freed_memory()
@@ -231,3 +232,12 @@ def _start_workers(
         "block_size": config.cache.block_size,
     }
     return Workers(rank_config, size, device)
+
+
+def _experts(model) -> tuple[int, tuple[int, ...]]:
+    """(experts per sparse layer, indexes of the sparse layers) of a mixture-of-experts model; (0, ())
+    otherwise."""
+    shape = model.shape
+    if not getattr(shape, "num_experts", 0):
+        return 0, ()
+    return shape.num_experts, tuple(i for i, sparse in enumerate(shape.moe_layers) if sparse)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -69,6 +69,7 @@ class LLMEngine:
         self.kv_pool_bytes = kv_pool_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.observer = observer
+        self.runner.take_expert_tokens()  # start-up forwards (warm-up, profiling) are not traffic
         self.vocab_size = runner.model.shape.vocab_size
         self.eos_token_id = tokenizer.eos_token_id
         self.max_model_len = limits.max_model_len
@@ -172,6 +173,7 @@ class LLMEngine:
         tokens) -> outputs (detokenize, stop checks, finish). Returns per-request outputs."""
         schedule = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
+        expert_tokens = None
         if not schedule.is_empty:
             try:
                 sampled_ids, samples = self.runner.execute(schedule)
@@ -186,8 +188,10 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(schedule, sampled, self.max_model_len)
             logprobs = dict(zip(sampled_ids, samples.logprobs, strict=True))
             outputs = self.output_processor.process(updated, logprobs, self.scheduler.finish_request)
+            expert_tokens = self.runner.take_expert_tokens()
         if self.observer is not None:
-            self.observer.on_step(self.scheduler.make_stats(schedule))
+            stats = self.scheduler.make_stats(schedule)
+            self.observer.on_step(replace(stats, expert_tokens=expert_tokens) if expert_tokens else stats)
         return outputs
 
     def _record_step(self, schedule: SchedulerOutput) -> None:

@@ -208,6 +208,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_rows.to(dev)])
         return None if logits is None else logits.to("cpu", torch.float32)
 
+    def take_expert_tokens(self) -> list[list[int]] | None:
+        """Tokens routed to each expert since the last call, per sparse layer (`[num_sparse_layers]
+        [num_experts]`), then zeroed; None for a dense model or transformers' implementation."""
+        take = getattr(self.model, "take_expert_tokens", None)
+        counts = take() if take is not None else None
+        return None if counts is None else counts.tolist()
+
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput) -> tuple[list[str], SamplerOutput]:
         """Run one step (on every rank). Returns the ids of the requests that sampled a token, and the

@@ -17,12 +17,29 @@ from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
 def test_config_gives_the_catalog_parameter_count(name, tmp_path):
     # Build our model of the written config on the meta device: its parameter count must be the one
     # the safetensors index gives, so a wrong hidden, intermediate or vocab size cannot pass.
+    # A plan-only shape (gpt-oss) is counted by transformers' own model instead.
     assert plan.main(["--model", name, "--write-config", str(tmp_path)]) == 0
     config = loader.load_config(loader.resolve_model(str(tmp_path)))
+    shape = catalog.MODELS[name]
+    if name in catalog.PLAN_ONLY:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config)
+        assert sum(p.numel() for p in hf.parameters()) == catalog.NUM_PARAMS[name]
+        assert (config.num_hidden_layers, config.num_key_value_heads) == (
+            shape.num_layers,
+            shape.num_kv_heads,
+        )
+        assert config.num_local_experts == shape.num_experts
+        return
     with torch.device("meta"):
         model = LlamaForCausalLM(ModelShape.from_hf_config(config), ops=None)
     assert sum(p.numel() for p in model.parameters()) == catalog.NUM_PARAMS[name]
-    shape = catalog.MODELS[name]
+    assert (model.shape.num_experts, model.shape.num_experts_per_tok) == (
+        shape.num_experts,
+        shape.num_experts_per_tok,
+    )
     derived = ModelShape.from_hf_config(config)
     assert (derived.num_layers, derived.num_kv_heads, derived.head_dim) == (
         shape.num_layers,
@@ -49,7 +66,7 @@ def test_write_config_takes_hub_ids_and_prints_the_path(tmp_path, capsys):
 def test_write_config_of_an_unknown_model_names_the_known_ones(tmp_path, capsys):
     assert plan.main(["--model", "gpt-17", "--write-config", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "unknown model 'gpt-17'; known models: gemma-2-9b, gemma-3-270m, llama-3-70b" in err
+    assert "unknown model 'gpt-17'; known models: gemma-2-9b, gemma-3-270m, gpt-oss-20b, llama-3-70b" in err
     assert not (tmp_path / "config.json").exists()
 
 

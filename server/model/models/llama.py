@@ -369,8 +369,12 @@ class SparseMoE(nn.Module):
             shared = replace(part, intermediate_size=shape.shared_expert_intermediate_size)
             self.shared_expert = LlamaMLP(shape, ops, shared, tp)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden))
-        # The kernel backend's, or per token count the one measured fastest (`selection.select_moe_kernels`).
-        self.fused_moe = ops.fused_moe
+        self.ops = ops
+        # None: the kernel backend's; else the one measured fastest per token count
+        # (`selection.select_moe_kernels`).
+        self.fused_moe = None
+        # Tokens routed to each expert since the last `LlamaForCausalLM.take_expert_tokens` (metrics).
+        self.register_buffer("expert_tokens", torch.zeros(experts, dtype=torch.int64), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: `[num_tokens, hidden_size]` -> (weights `[num_tokens, top_k]` float32, expert ids
@@ -383,7 +387,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = self.fused_moe(x, self.w13, self.w2, weights, ids)
+        self.expert_tokens += torch.bincount(ids.flatten(), minlength=self.expert_tokens.shape[0])
+        out = (self.fused_moe or self.ops.fused_moe)(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out
@@ -509,6 +514,17 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, table)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def take_expert_tokens(self) -> torch.Tensor | None:
+        """Tokens routed to each expert since the last call, `[num_sparse_layers, num_experts]` int64 on
+        the CPU (a token counts once per expert it chose), then zeroed; None for a dense model."""
+        counts = [layer.mlp.expert_tokens for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        if not counts:
+            return None
+        taken = torch.stack(counts).cpu()
+        for count in counts:
+            count.zero_()
+        return taken
 
     def decoder_spec(self) -> DecoderSpec:
         """This decoder's layers as the C++ layer loop takes them (`kernels.cpu.DecoderSpec`): norms,
