@@ -113,8 +113,8 @@ def _config(kind: str):
         )
     if kind == "mixtral":  # top-2 of 4 experts of intermediate_size, every layer sliding
         return transformers.MixtralConfig(**SHAPE, **experts, num_local_experts=4, sliding_window=WINDOW)
-    if kind == "olmoe":  # q and k normed over all heads at once
-        return transformers.OlmoeConfig(**SHAPE, **experts, num_experts=8, norm_topk_prob=False)
+    if kind == "olmoe":  # q and k normed over all heads at once; top-4
+        return transformers.OlmoeConfig(**SHAPE, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False)
     raise ValueError(kind)
 
 
@@ -252,3 +252,43 @@ def test_transformers_implementation_matches_transformers(kind, backend, tokeniz
     assert "model implementation transformers" in caplog.text
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     assert_greedy_equals_transformers(engine, hf, ids, 10, kind)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_mixture_of_experts_under_preemption_and_prefix_caching_matches_transformers(
+    backend, tokenizer, tmp_path
+):
+    """Qwen2-MoE with top-4 routing and a shared expert in a KV pool of 8 blocks: five prompts sharing a
+    40-token prefix cannot all run at once, so some are preempted and recomputed, and later ones find
+    the prefix cached; greedy tokens still equal transformers'."""
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(
+        **SHAPE,
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=True,
+    )
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    kv_bytes_per_token = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * 32 * 4
+    engine = build_engine(
+        EngineConfig(
+            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=128),
+            cache=CacheConfig(kv_cache_memory=8 * 16 * kv_bytes_per_token),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=5),
+            device=DeviceConfig(device="cpu", attention_backend=backend),
+        )
+    )
+    assert engine.limits.num_kv_blocks == 8
+    prefix = tokenizer("A long prompt " * 10)["input_ids"][:40]
+    ids = [prefix + tokenizer(f" number {i}")["input_ids"] for i in range(5)]
+    assert_greedy_equals_transformers(engine, hf, ids, 30, f"qwen2_moe top-4 ({backend})")
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache.prefix_cache_hits > 0
