@@ -6,9 +6,10 @@ set before `triton` is first imported).
 
 import torch
 
-from conveyor.kernels import AttentionMetadata, reference
+from conveyor.kernels import AttentionMetadata
 from conveyor.kernels.reference import rope_cos_sin_cache
 from conveyor.kernels.triton.device import TritonUnavailableError
+from conveyor.kernels.triton.fused_moe import fused_moe
 from conveyor.kernels.triton.paged_attention import paged_attention
 from conveyor.kernels.triton.reshape_and_cache import reshape_and_cache
 from conveyor.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
@@ -26,18 +27,6 @@ def prepare_metadata(
     """See `conveyor.kernels.reference.prepare_metadata`. The Triton kernels read the metadata tensors on
     the device and derive nothing on the host, so there is nothing to prepare (None)."""
     return None
-
-
-def fused_moe(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """See `conveyor.kernels.reference.fused_moe`, which runs it on the device (torch matmuls per active
-    expert). No Triton grouped GEMM of its own yet."""
-    return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
 __all__ = [

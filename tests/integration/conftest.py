@@ -141,15 +141,16 @@ def _byte_level_tokenizer():
 def save_tiny_llama(tmp_path_factory: pytest.TempPathFactory):
     """`save_tiny_llama(name, **config)`: a 2-layer Llama (head_dim 64, hidden 256) with random weights
     (seed 0) and a byte-level tokenizer, saved in Hugging Face layout; returns its directory. `config`
-    overrides transformers' LlamaConfig fields (heads, KV heads, ...)."""
+    overrides transformers' LlamaConfig fields (heads, KV heads, ...); `config_class` another config
+    class (a Qwen3MoeConfig, with its expert fields in `config`)."""
     import torch
     import transformers
 
-    def save(name: str, **config) -> str:
+    def save(name: str, config_class=None, **config) -> str:
         path = tmp_path_factory.mktemp(name)
         tokenizer = _byte_level_tokenizer()
         heads = config.get("num_attention_heads", 4)
-        llama_config = transformers.LlamaConfig(
+        llama_config = (config_class or transformers.LlamaConfig)(
             **{
                 "vocab_size": len(tokenizer),
                 "hidden_size": 64 * heads,
@@ -170,7 +171,7 @@ def save_tiny_llama(tmp_path_factory: pytest.TempPathFactory):
             }
         )
         torch.manual_seed(0)
-        transformers.LlamaForCausalLM(llama_config).save_pretrained(path)
+        transformers.AutoModelForCausalLM.from_config(llama_config).save_pretrained(path)
         tokenizer.save_pretrained(path)
         return str(path)
 

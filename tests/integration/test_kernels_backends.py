@@ -126,6 +126,37 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty", empty)
 
 
+# (tokens, hidden, intermediate, experts, top_k, routing)
+MOE_CASES = [
+    (1, 64, 32, 8, 2, "even"),
+    (37, 40, 20, 8, 2, "even"),  # widths that are not whole vectors
+    (19, 64, 48, 16, 4, "even"),
+    (23, 32, 24, 8, 1, "one-expert"),  # every token to expert 3; the other experts hold NaN
+    (12, 48, 16, 8, 2, "skewed"),  # experts 0 and 5 only; the rest hold NaN
+]
+
+
+def moe_case(tokens, hidden, width, experts, top_k, routing, dtype):
+    g = torch.Generator().manual_seed(tokens * 31 + hidden)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * width, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, width, generator=g) / width**0.5
+    weights = torch.rand(tokens, top_k, generator=g)
+    if routing == "even":
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    elif routing == "one-expert":
+        ids = torch.full((tokens, top_k), 3)
+    else:
+        ids = torch.tensor([[0, 5] if t % 3 else [5, 0] for t in range(tokens)])
+    unused = [e for e in range(experts) if e not in set(ids.flatten().tolist())]
+    w13[unused] = float("nan")
+    w2[unused] = float("nan")
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+
+
+MOE_IDS = [f"{c[0]}x{c[1]}-E{c[3]}-top{c[4]}-{c[5]}" for c in MOE_CASES]
+
+
 def _tol(dtype: torch.dtype) -> dict[str, float]:
     # bf16 has 8 significant bits (relative step 2^-8 ~ 4e-3); the interpreter also truncates instead of
     # rounding on float32 -> bf16 casts, so allow a few steps.
@@ -602,6 +633,18 @@ def test_silu_and_mul(backend: ModuleType, intermediate_size: int, dtype, poison
     torch.testing.assert_close(out, ref.silu_and_mul(x), **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", MOE_CASES, ids=MOE_IDS)
+def test_fused_moe(backend: ModuleType, case, dtype, poisoned_empty):
+    """Even and skewed routing (every token to one expert; experts no token chose hold NaN); the
+    reference in float32 on the same values."""
+    x, w13, w2, weights, ids = moe_case(*case, dtype)
+    out = backend.fused_moe(x, w13, w2, weights, ids)
+    assert out.dtype == dtype
+    expected = ref.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(out.float(), expected, **_tol(dtype))
+
+
 # --- the same kernels compiled for CUDA ----------------------------------------------------------
 
 
@@ -772,6 +815,22 @@ def tiny_llama_dir(save_tiny_llama) -> str:
     return save_tiny_llama("tiny-llama", num_attention_heads=4, num_key_value_heads=2)
 
 
+@pytest.fixture(scope="module")
+def tiny_moe_dir(save_tiny_llama) -> str:
+    """A 2-layer Qwen3-MoE (8 experts of width 128, top-2) with random weights and a byte-level
+    tokenizer."""
+    import transformers
+
+    return save_tiny_llama(
+        "tiny-moe",
+        config_class=transformers.Qwen3MoeConfig,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+    )
+
+
 def _greedy_tokens(model_dir: str, backend: str, prompts: list[str]) -> list[list[int]]:
     from conveyor.server.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
     from conveyor.server.engine.builder import build_engine
@@ -796,19 +855,32 @@ def _greedy_tokens(model_dir: str, backend: str, prompts: list[str]) -> list[lis
     return tokens
 
 
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_moe_dir"])
 @pytest.mark.parametrize("name", ["cpu", "triton"])
 def test_engine_greedy_tokens_equal_with_each_backend_and_torch(
-    name: str, request: pytest.FixtureRequest, tiny_llama_dir: str
+    name: str, model: str, request: pytest.FixtureRequest
 ):
-    """The same random 2-layer Llama through the engine (chunked prefill, mixed steps, decodes) with
-    the C++ CPU kernels or the Triton kernels (interpreted) and with the torch references: identical
-    greedy tokens."""
+    """The same random 2-layer Llama, and Qwen3-MoE, through the engine (chunked prefill, mixed steps,
+    decodes) with the C++ CPU kernels or the Triton kernels (interpreted) and with the torch
+    references: identical greedy tokens (the torch references' are transformers', in
+    test_architectures.py)."""
     from conveyor.kernels import load_backend
 
     kernels = request.getfixturevalue("cpu_kernels" if name == "cpu" else "triton_cpu")
     assert load_backend(name) is kernels  # the engine will pick up these kernels
+    model_dir = request.getfixturevalue(model)
     prompts = ["Hello", "The capital of France is", "def fibonacci(n): return n if n < 2 else"]
-    torch_tokens = _greedy_tokens(tiny_llama_dir, "torch", prompts)
-    tokens = _greedy_tokens(tiny_llama_dir, name, prompts)
+    torch_tokens = _greedy_tokens(model_dir, "torch", prompts)
+    tokens = _greedy_tokens(model_dir, name, prompts)
     assert [len(t) for t in torch_tokens] == [12, 12, 12]
     assert tokens == torch_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", MOE_CASES, ids=MOE_IDS)
+def test_gpu_fused_moe(triton_cuda: ModuleType, case, dtype):
+    x, w13, w2, weights, ids = (t.cuda() for t in moe_case(*case, dtype))
+    out = triton_cuda.fused_moe(x, w13, w2, weights, ids)
+    expected = ref.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(out.float(), expected, **_tol(dtype))

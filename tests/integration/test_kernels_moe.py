@@ -12,6 +12,7 @@ from torch.utils import cpp_extension
 
 from conveyor.kernels import cpu
 from conveyor.kernels import reference as ref
+from tests.integration.test_kernels_backends import MOE_CASES, MOE_IDS, moe_case
 
 pytestmark = pytest.mark.skipif(not cpu.is_available(), reason="no C++ compiler")
 
@@ -39,38 +40,10 @@ def fused_moe(request: pytest.FixtureRequest):
     return getattr(torch.ops, namespace).fused_moe
 
 
-# (tokens, hidden, intermediate, experts, top_k, routing)
-CASES = [
-    (1, 64, 32, 8, 2, "even"),
-    (37, 40, 20, 8, 2, "even"),  # widths that are not whole vectors
-    (19, 64, 48, 16, 4, "even"),
-    (23, 32, 24, 8, 1, "one-expert"),  # every token to expert 3; the other experts hold NaN
-    (12, 48, 16, 8, 2, "skewed"),  # experts 0 and 5 only; the rest hold NaN
-]
-
-
-def _case(tokens, hidden, width, experts, top_k, routing, dtype):
-    g = torch.Generator().manual_seed(tokens * 31 + hidden)
-    x = torch.randn(tokens, hidden, generator=g)
-    w13 = torch.randn(experts, 2 * width, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(experts, hidden, width, generator=g) / width**0.5
-    weights = torch.rand(tokens, top_k, generator=g)
-    if routing == "even":
-        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    elif routing == "one-expert":
-        ids = torch.full((tokens, top_k), 3)
-    else:
-        ids = torch.tensor([[0, 5] if t % 3 else [5, 0] for t in range(tokens)])
-    unused = [e for e in range(experts) if e not in set(ids.flatten().tolist())]
-    w13[unused] = float("nan")
-    w2[unused] = float("nan")
-    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}-E{c[3]}-top{c[4]}-{c[5]}" for c in CASES])
+@pytest.mark.parametrize("case", MOE_CASES, ids=MOE_IDS)
 def test_fused_moe_matches_the_reference(fused_moe, case, dtype):
-    x, w13, w2, weights, ids = _case(*case, dtype)
+    x, w13, w2, weights, ids = moe_case(*case, dtype)
     out = fused_moe(x, w13, w2, weights, ids)
     assert out.dtype == dtype and out.shape == x.shape
     # The reference in float32 on the same (rounded) values: the kernel accumulates in float32.
@@ -80,6 +53,6 @@ def test_fused_moe_matches_the_reference(fused_moe, case, dtype):
 
 
 def test_fused_moe_refuses_an_expert_id_outside_the_experts(fused_moe):
-    x, w13, w2, weights, ids = _case(*CASES[0], torch.float32)
+    x, w13, w2, weights, ids = moe_case(*MOE_CASES[0], torch.float32)
     with pytest.raises(RuntimeError, match="expert id 8 outside"):
         fused_moe(x, w13, w2, weights, torch.full_like(ids, 8))
