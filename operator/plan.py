@@ -146,12 +146,6 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
             f"tensorParallelSize {tp} with gpusPerReplica {gpus}: conveyor serve runs one rank per GPU, "
             "so a replica's GPUs and its tensor-parallel size must be equal (leave tensorParallelSize unset)"
         )
-    if shape.num_experts and tp > 1:  # the server's own rule (`LlamaForCausalLM` refuses it at start)
-        raise TensorParallelSizeError(
-            f"tensorParallelSize {tp}: {shape.name} is a mixture of experts, which conveyor serve runs on "
-            "one rank only (no tensor or expert parallelism of experts yet); use gpusPerReplica 1 on a GPU "
-            "that holds every expert"
-        )
     if shape.num_heads is not None and shape.intermediate_size is not None:
         try:  # the server's own rule (`conveyor serve` refuses these sizes at start)
             partition(

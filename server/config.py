@@ -111,6 +111,11 @@ class ParallelConfig(_Config):
         description="ranks one replica is split over (one process and device each); must divide the "
         "model's attention heads",
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="mixture-of-experts models over several ranks: each rank holds num_experts / "
+        "tensor-parallel-size whole experts (which must divide), instead of a slice of every expert",
+    )
 
 
 class ServerConfig(_Config):

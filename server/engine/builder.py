@@ -111,7 +111,15 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         tp = workers.tp if workers is not None else None
         if impl == "native":
             model = loader.load_model(
-                source, hf_config, dtype, device, ops, mc.load_format, tp, mc.quantization
+                source,
+                hf_config,
+                dtype,
+                device,
+                ops,
+                mc.load_format,
+                tp,
+                mc.quantization,
+                config.parallel.enable_expert_parallel,
             )
             weights, weight_bytes = loader.weights_info(model)  # before packing adds kernel layouts
             logger.info("%s", pack_weights(model, ops, dtype, device))
@@ -230,6 +238,7 @@ def _start_workers(
         "backend": backend,
         "load_format": config.model.load_format,
         "block_size": config.cache.block_size,
+        "expert_parallel": config.parallel.enable_expert_parallel,
     }
     return Workers(rank_config, size, device)
 

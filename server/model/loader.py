@@ -347,6 +347,7 @@ def load_model(
     load_format: str = "auto",
     tp: TensorParallel | None = None,
     quantization: str | None = None,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """Build our model (this rank's shard under `tp`) with `ops` kernels and copy its weights, or with
     `load_format="dummy"` fill it with random weights (see the module docstring).
@@ -356,13 +357,14 @@ def load_model(
     `quantization="gguf"` the linear layers and the embedding table keep the GGUF file's blocks
     (`gguf_weights.GGUFWeights`); with `"int8"` they are quantized per output channel from the loaded
     weights (`kernels.quant.quantize_int8`); with a block format (`"q4_0"` ..., dummy weights only) they
-    are random blocks of it. `check_quantization` has checked the combination first. Raises ValueError
+    are random blocks of it. `check_quantization` has checked the combination first. `expert_parallel`:
+    a mixture-of-experts model's ranks hold whole experts (`SparseMoE`). Raises ValueError
     when `tp` does not split the model or a layer's width is not whole blocks of the format,
     `gguf_weights.GGUFError` for a GGUF file that cannot be read.
     """
     shape = ModelShape.from_hf_config(config)
     if load_format == "dummy":
-        model = _dummy_model(shape, dtype, device, ops, tp)
+        model = _dummy_model(shape, dtype, device, ops, tp, expert_parallel)
         if quantization is not None:
             _quantize_layers(model, quantization)
             logger.info("weights: %s", describe_weights(model))
@@ -371,7 +373,7 @@ def load_model(
 
         assert source.gguf_path is not None
         with torch.device(device):
-            model = LlamaForCausalLM(shape, ops, tp)
+            model = LlamaForCausalLM(shape, ops, tp, expert_parallel)
         weights = GGUFWeights(source.gguf_path, config)
         model.load_hf_state_dict(weights)
         for param in model.parameters():
@@ -383,7 +385,7 @@ def load_model(
             )
     else:
         with torch.device(device):
-            model = LlamaForCausalLM(shape, ops, tp)
+            model = LlamaForCausalLM(shape, ops, tp, expert_parallel)
         directory = Path(source.path)
         if source.gguf_file is None and any(directory.glob("*.safetensors")):
             model.load_hf_state_dict(SafetensorsWeights(directory))
@@ -519,7 +521,12 @@ def _quantize_layers(model: LlamaForCausalLM, quantization: str) -> None:
 
 @torch.no_grad()
 def _dummy_model(
-    shape: ModelShape, dtype: torch.dtype, device: torch.device, ops, tp: TensorParallel | None
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops,
+    tp: TensorParallel | None,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     # Parameters are created in `dtype` directly (an 8B model in float32 first would need 32 GB), the
     # rotary table in float32 as for loaded weights.
@@ -527,7 +534,7 @@ def _dummy_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(shape, ops, tp)
+            model = LlamaForCausalLM(shape, ops, tp, expert_parallel)
     finally:
         torch.set_default_dtype(default)
     model.cos_sin_cache = model.cos_sin_cache.float()

@@ -50,6 +50,7 @@ class RankConfig:
     size: int
     init_method: str
     num_threads: int
+    expert_parallel: bool = False
 
 
 def _die_with_parent() -> None:
@@ -73,7 +74,9 @@ def _rank_main(rank: int, config: RankConfig, log_level: int) -> None:
     tp = TensorParallel.init(rank, config.size, config.init_method, device)
     ops = load_backend(config.backend)
     hf_config = loader.load_config(config.source)
-    model = loader.load_model(config.source, hf_config, config.dtype, device, ops, config.load_format, tp)
+    model = loader.load_model(
+        config.source, hf_config, config.dtype, device, ops, config.load_format, tp, None, config.expert_parallel
+    )
     pack_weights(model, ops, config.dtype, device)
     runner = ModelRunner(model, ops, config.block_size, config.dtype, device)
     while True:

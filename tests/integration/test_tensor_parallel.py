@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo ranks, float32): a sharded engine's greedy tokens equal TP = 1's,
-token for token, through batching, chunked prefill, prefix caching and preemption; a size that does not
-split the model is refused. (The server's side, a killed rank, is in tests/e2e/test_tensor_parallel_server.py.)"""
+token for token, through batching, chunked prefill, prefix caching and preemption, for dense models and
+mixtures of experts (experts sliced, or whole experts per rank); a size that does not split the model
+is refused. (The server's side, a killed rank, is in tests/e2e/test_tensor_parallel_server.py.)"""
 
 from __future__ import annotations
 
@@ -44,7 +45,13 @@ def _pool_bytes(model: str | None, tp: int, num_kv_blocks: int) -> int:
 
 
 def _greedy(
-    model: str | None, tp: int, num_kv_blocks: int, max_model_len: int, device: str = "cpu", **scheduler
+    model: str | None,
+    tp: int,
+    num_kv_blocks: int,
+    max_model_len: int,
+    device: str = "cpu",
+    expert_parallel: bool = False,
+    **scheduler,
 ):
     """Greedy tokens (32 each, EOS ignored) of PROMPTS, all at once, then of PREFIX_PROMPTS one after the
     other, through one engine; also the preemptions and prefix-cache hits (tokens) it saw, its start-up
@@ -66,7 +73,7 @@ def _greedy(
             model=ModelConfig(model=model, dtype="float32", max_model_len=max_model_len),
             cache=CacheConfig(kv_cache_memory=_pool_bytes(model, tp, num_kv_blocks), block_size=16),
             scheduler=SchedulerConfig(**scheduler),
-            parallel=ParallelConfig(tensor_parallel_size=tp),
+            parallel=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel),
             device=DeviceConfig(device=device),
         )
     )
@@ -126,6 +133,46 @@ def test_llama_with_8_heads_and_2_kv_heads_equals_tp1(save_tiny_llama, tp: int) 
     tpn = _greedy(model, tp, **kwargs)
     assert tpn[0] == tp1[0]
     assert tpn[1] > 0 and tpn[2] > 0
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-sliced", "expert-parallel"])
+def test_mixture_of_experts_over_two_ranks_equals_tp1(save_tiny_llama, expert_parallel: bool) -> None:
+    """A random 2-layer Qwen2-MoE (8 experts, top-2, a shared expert) over 2 gloo ranks: every expert
+    sliced in two, or (--enable-expert-parallel) 4 whole experts per rank running only the pairs routed
+    to them; the shared expert sliced either way. Same tokens as TP = 1, through chunked prefill,
+    prefix caching and preemption."""
+    import transformers
+
+    model = save_tiny_llama(
+        "qwen2-moe-8e",
+        config_class=transformers.Qwen2MoeConfig,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+        norm_topk_prob=False,
+    )
+    kwargs = {"num_kv_blocks": 16, "max_model_len": 256, "max_num_batched_tokens": 24, "max_num_seqs": 6}
+    tp1 = _greedy(model, 1, **kwargs)
+    tp2 = _greedy(model, 2, expert_parallel=expert_parallel, **kwargs)
+    assert tp2[0] == tp1[0]
+    assert tp2[1] > 0 and tp2[2] > 0
+
+
+def test_expert_parallelism_that_does_not_divide_the_experts_is_refused(save_tiny_llama) -> None:
+    import transformers
+
+    model = save_tiny_llama(
+        "qwen3-moe-6e",
+        config_class=transformers.Qwen3MoeConfig,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+    )
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4 does not divide the model's 6 experts"):
+        _greedy(model, 4, expert_parallel=True, num_kv_blocks=16, max_model_len=256)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,6 @@ from conveyor.operator.catalog import GiB, lookup_gpu
 from conveyor.operator.plan import (
     KVCacheTooSmallError,
     MaxModelLenTooLongError,
-    TensorParallelSizeError,
     parse_quantity,
     plan_for_spec,
 )
@@ -258,8 +257,7 @@ def test_operator_plans_mixture_of_experts_specs_with_every_expert_in_the_weight
     """Qwen3-30B-A3B on an H200 at 8K: all 128 experts of its 48 layers are weights (30.53e9 params x 2
     bytes = 56.87 GiB, though 3.3e9 are active per token); KV only for the attention layers, 2 x 48 x 4
     KV heads x 128 x 2 bytes = 98,304 bytes per token; (126.36 GiB usable - 56.87 - 1) // (98,304 x 16)
-    = 46,756 blocks, 91 sequences of 512 blocks. Tensor parallelism of experts is refused as the server
-    refuses it, and the table names the experts."""
+    = 46,756 blocks, 91 sequences of 512 blocks. The table names the experts."""
     qwen = plan_for_spec(
         parse_spec(
             _spec(model__name="Qwen/Qwen3-30B-A3B", model__maxModelLen=8192, resources__gpuType="h200-141gb")
@@ -271,11 +269,13 @@ def test_operator_plans_mixture_of_experts_specs_with_every_expert_in_the_weight
         46_756,
         91,
     )
-    with pytest.raises(TensorParallelSizeError, match="mixtral-8x7b is a mixture of experts"):
-        plan_for_spec(
-            parse_spec(
-                _spec(model__name="mixtral-8x7b", resources__gpuType="h100-80gb", resources__gpusPerReplica=2)
-            )
+    # Mixtral-8x7B (93.4 GB of weights) does not fit one H100 but fits two, its experts split over both.
+    mixtral = plan_for_spec(
+        parse_spec(
+            _spec(model__name="mixtral-8x7b", resources__gpuType="h100-80gb", resources__gpusPerReplica=2)
         )
+    )
+    assert (mixtral.tensor_parallel_size, mixtral.weight_bytes) == (2, 46_702_792_704 * 2)
+    assert mixtral.max_num_seqs > 0
     assert plan_cli.main(["--model", "mixtral-8x7b", "--gpu", "h200", "--max-model-len", "8192"]) == 0
     assert "experts             8 per sparse layer, 2 per token" in capsys.readouterr().out

@@ -354,20 +354,60 @@ class SparseMoE(nn.Module):
 
     Router logits are computed in the weights' dtype and soft-maxed in float32, as transformers does.
     The router and the experts' stacked weights are parameters, not `nn.Linear`s: they are never
-    quantized or repacked (one rank only)."""
+    quantized or repacked.
 
-    def __init__(self, shape: ModelShape, ops: KernelBackend, part: Partition, tp: TensorParallel) -> None:
+    Over `tp.size > 1` ranks every rank holds the router and sees every token. By default each expert
+    is split as a dense MLP is (`moe_intermediate_size / tp` rows of its gate and up projections,
+    the same columns of its down projection); with `expert_parallel` (`--enable-expert-parallel`, as
+    vLLM names it) each rank holds `num_experts / tp` whole experts and runs only the (token, expert)
+    pairs routed to them. Either way each rank's output is a partial sum (the shared expert split like
+    a dense MLP), added over ranks by one all-reduce. Raises ValueError when the ranks do not divide
+    the experts (or their width), naming the flag."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        ops: KernelBackend,
+        part: Partition,
+        tp: TensorParallel,
+        expert_parallel: bool = False,
+    ) -> None:
         super().__init__()
         experts, width, hidden = shape.num_experts, shape.moe_intermediate_size, shape.hidden_size
+        self.expert_parallel = expert_parallel and tp.size > 1
+        local = experts
+        if self.expert_parallel:
+            if experts % tp.size:
+                raise ValueError(
+                    f"--enable-expert-parallel: --tensor-parallel-size {tp.size} does not divide the "
+                    f"model's {experts} experts"
+                )
+            local = experts // tp.size
+        elif width % tp.size:
+            raise ValueError(
+                f"--tensor-parallel-size {tp.size} does not divide the experts' intermediate size {width} "
+                "(--enable-expert-parallel splits whole experts instead)"
+            )
+        else:
+            width //= tp.size
+        self.first_expert = tp.rank * local if self.expert_parallel else 0
         self.gate = nn.Parameter(torch.empty(experts, hidden))
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * width, hidden))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, width))
+        self.w13 = nn.Parameter(torch.empty(local, 2 * width, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, width))
         self.top_k = shape.num_experts_per_tok
         self.norm_topk_prob = shape.norm_topk_prob
+        self.tp = tp
         self.shared_expert = None
         if shape.shared_expert_intermediate_size:
-            shared = replace(part, intermediate_size=shape.shared_expert_intermediate_size)
-            self.shared_expert = LlamaMLP(shape, ops, shared, tp)
+            shared_width = shape.shared_expert_intermediate_size
+            if shared_width % tp.size:
+                raise ValueError(
+                    f"--tensor-parallel-size {tp.size} does not divide the shared expert's intermediate "
+                    f"size {shared_width}"
+                )
+            shared = replace(part, intermediate_size=shared_width // tp.size)
+            # A partial sum like the experts' (no all-reduce of its own): one all-reduce adds both.
+            self.shared_expert = LlamaMLP(shape, ops, shared, TensorParallel())
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden))
         self.ops = ops
         # None: the kernel backend's; else the one measured fastest per token count
@@ -388,10 +428,22 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         self.expert_tokens += torch.bincount(ids.flatten(), minlength=self.expert_tokens.shape[0])
-        out = (self.fused_moe or self.ops.fused_moe)(x, self.w13, self.w2, weights, ids)
+        fused_moe = self.fused_moe or self.ops.fused_moe
+        if self.expert_parallel:  # this rank's experts only: their pairs, one choice per row
+            local = ids - self.first_expert
+            tokens, choices = ((local >= 0) & (local < self.w13.shape[0])).nonzero(as_tuple=True)
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            if len(tokens):
+                pairs = fused_moe(
+                    x[tokens], self.w13, self.w2, weights[tokens, choices, None], local[tokens, choices, None]
+                )
+                out.index_add_(0, tokens, pairs.float())
+            out = out.to(x.dtype)
+        else:
+            out = fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -408,6 +460,7 @@ class LlamaDecoderLayer(nn.Module):
         tp: TensorParallel,
         sliding: bool = False,
         sparse: bool = False,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         norm = partial(RMSNorm, shape.hidden_size, shape.rms_norm_eps, ops)
@@ -416,7 +469,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if shape.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if shape.sandwich_norms else None
-        self.mlp = SparseMoE(shape, ops, part, tp) if sparse else LlamaMLP(shape, ops, part, tp)
+        self.mlp = (
+            SparseMoE(shape, ops, part, tp, expert_parallel) if sparse else LlamaMLP(shape, ops, part, tp)
+        )
         self.residual_multiplier = shape.residual_multiplier
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
@@ -440,11 +495,18 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects chosen rows.
 
     With `tp` of size > 1 this is one rank's shard (`partition`): its heads, MLP rows and vocabulary
-    rows; every rank runs `forward` and `compute_logits` on the same inputs. Raises ValueError when the
+    rows, and its share of the experts (`SparseMoE`, `expert_parallel`); every rank runs `forward` and
+    `compute_logits` on the same inputs. Raises ValueError when the
     tensor-parallel size does not split the model (naming both numbers).
     """
 
-    def __init__(self, shape: ModelShape, ops: KernelBackend, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        ops: KernelBackend,
+        tp: TensorParallel | None = None,
+        expert_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.shape = shape
         self.tp = tp = tp or TensorParallel()
@@ -453,15 +515,16 @@ class LlamaForCausalLM(nn.Module):
         )
         vocab_rows = part.vocab_per_rank if tp.size > 1 else shape.vocab_size
         self.embed_tokens = nn.Embedding(vocab_rows, shape.hidden_size)
-        if tp.size > 1 and (shape.num_experts or shape.qk_norm_all_heads):
+        if tp.size > 1 and shape.qk_norm_all_heads:
             raise ValueError(
-                "tensor parallelism of mixture-of-experts models and of q/k norms over all heads "
-                "(OLMoE) is not supported: run them with --tensor-parallel-size 1"
+                "tensor parallelism of q/k norms over all heads (OLMoE) is not supported: run it with "
+                "--tensor-parallel-size 1"
             )
         sliding = shape.sliding_layers or (False,) * shape.num_layers
         sparse = shape.moe_layers or (False,) * shape.num_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, ops, part, tp, sliding[i], sparse[i]) for i in range(shape.num_layers)
+            LlamaDecoderLayer(shape, ops, part, tp, sliding[i], sparse[i], expert_parallel)
+            for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
@@ -634,33 +697,50 @@ class LlamaForCausalLM(nn.Module):
             return t.dequantize() if isinstance(t, QuantizedWeight) else t
 
         def experts(moe: SparseMoE, p: str) -> None:
-            """Router, experts and shared expert of a sparse layer: Mixtral's `block_sparse_moe` with
-            experts' w1 (gate), w3 (up), w2 (down), or Qwen-MoE / OLMoE's `mlp` with gate/up/down_proj,
-            one tensor per expert as checkpoints store them, or stacked `experts.gate_up_proj` /
-            `experts.down_proj` (transformers 5's in-memory layout, gate rows first)."""
+            """Router, experts and shared expert of a sparse layer (this rank's share): Mixtral's
+            `block_sparse_moe` with experts' w1 (gate), w3 (up), w2 (down), or Qwen-MoE / OLMoE's `mlp`
+            with gate/up/down_proj, one tensor per expert as checkpoints store them, or stacked
+            `experts.gate_up_proj` / `experts.down_proj` (transformers 5's in-memory layout, gate rows
+            first)."""
             block = p + ("block_sparse_moe." if has(p + "block_sparse_moe.gate.weight") else "mlp.")
             moe.gate.copy_(dense(get(block + "gate.weight")))
+            local, width = moe.w13.shape[0], moe.w2.shape[2]
+            full = self.shape.moe_intermediate_size
+            cut = (
+                slice(0, full)
+                if moe.expert_parallel
+                else slice(self.tp.rank * width, (self.tp.rank + 1) * width)
+            )
+            ids = range(moe.first_expert, moe.first_expert + local)
             try:
-                moe.w13.copy_(dense(get(block + "experts.gate_up_proj")))
-                moe.w2.copy_(dense(get(block + "experts.down_proj")))
+                gate_up = dense(get(block + "experts.gate_up_proj"))[ids.start : ids.stop]
+                down = dense(get(block + "experts.down_proj"))[ids.start : ids.stop]
+                moe.w13.copy_(torch.cat([gate_up[:, :full][:, cut], gate_up[:, full:][:, cut]], dim=1))
+                moe.w2.copy_(down[:, :, cut])
             except KeyError:
                 names = (
                     ("w1", "w3", "w2")
                     if "block_sparse_moe" in block
                     else ("gate_proj", "up_proj", "down_proj")
                 )
-                for e in range(moe.w13.shape[0]):
+                for i, e in enumerate(ids):
                     gate, up, down = (dense(get(f"{block}experts.{e}.{n}.weight")) for n in names)
-                    moe.w13[e].copy_(torch.cat([gate, up]))
-                    moe.w2[e].copy_(down)
+                    moe.w13[i].copy_(torch.cat([gate[cut], up[cut]]))
+                    moe.w2[i].copy_(down[:, cut])
             if moe.shared_expert is not None:
                 shared = block + "shared_expert."
+                shared_rows = (
+                    self.tp.rank * moe.shared_expert.down_proj.in_features,
+                    moe.shared_expert.down_proj.in_features,
+                )
                 set_linear(
                     moe.shared_expert,
                     "gate_up_proj",
-                    [get(shared + f"{n}_proj.weight") for n in ("gate", "up")],
+                    [rows(get(shared + f"{n}_proj.weight"), *shared_rows) for n in ("gate", "up")],
                 )
-                set_linear(moe.shared_expert, "down_proj", [get(shared + "down_proj.weight")])
+                set_linear(
+                    moe.shared_expert, "down_proj", [cols(get(shared + "down_proj.weight"), *shared_rows)]
+                )
                 moe.shared_expert_gate.copy_(dense(get(block + "shared_expert_gate.weight")))
 
         try:
