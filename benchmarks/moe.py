@@ -1,5 +1,4 @@
-"""A mixture-of-experts model against a dense one of the same active parameters: decode speed, and where
-an MoE step's time goes.
+"""A mixture-of-experts model against the dense model of the same active width, and an MoE step's time.
 
     python -m conveyor.benchmarks.moe [--dtypes float32 bfloat16] [--tokens 24] [--json FILE]
 
@@ -9,9 +8,8 @@ intermediate size 1024 with 2 chosen per token (every layer sparse), and the den
 same attention and an MLP of intermediate size 2048, the two chosen experts' width, so both compute
 the same multiply-adds per token. At one sequence a decode step reads the two experts' weights per
 layer (the dense model's MLP bytes); at 16 sequences the tokens spread over up to all 16 experts, so
-the MoE step reads up to 8x the MLP bytes. Reported per dtype: median decode step and tokens per second
-at 1 and 16 sequences, the dense-over-MoE throughput ratio (the issue's target: within 1.3x), and the
-MoE step split into the router (logits, softmax, top-k), the experts (`fused_moe`: the sort by expert,
+the MoE step reads up to 8x the MLP bytes. Reported per dtype: tokens per second (from the median
+decode step) at 1 and 16 sequences, the dense-over-MoE throughput ratio, and the MoE step split into the router (logits, softmax, top-k), the experts (`fused_moe`: the sort by expert,
 the expert matmuls and the weighted combine, one C++ call) and the rest (attention, norms, LM head,
 sampling, scheduling).
 """

@@ -195,4 +195,5 @@ def pack_weights(
     used = sorted({kernel for table in tables.values() for kernel in table.names()})
     experts = selection.select_moe_kernels(model) if backend is cpu else {}
     used += sorted({kernel for table in experts.values() for kernel in table.names()})
-    return f"CPU matmuls ({name}): {len(tables)} layer shapes, each with its fastest kernel per row count ({', '.join(used)})"
+    shapes = f"{len(tables)} layer shapes" + (f" and {len(experts)} expert shapes" if experts else "")
+    return f"CPU matmuls ({name}): {shapes}, each with its fastest kernel per row count ({', '.join(used)})"

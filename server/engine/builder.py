@@ -21,7 +21,7 @@ from conveyor.server.engine.engine import LLMEngine
 from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.messages import EngineLimits
 from conveyor.server.model import loader
-from conveyor.server.model.models.llama import ModelShape
+from conveyor.server.model.models.llama import ModelShape, check_expert_split
 from conveyor.server.model.models.transformers_impl import GenericShape, TransformersForCausalLM
 from conveyor.server.model.parallel import partition
 from conveyor.server.model.runner import ModelRunner
@@ -227,6 +227,7 @@ def _start_workers(
     if size == 1:
         return None
     partition(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, 0, size)
+    check_expert_split(shape, size, config.parallel.enable_expert_parallel)
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(
             f"--tensor-parallel-size {size} needs {size} CUDA devices; torch finds {torch.cuda.device_count()}"

@@ -75,7 +75,15 @@ def _rank_main(rank: int, config: RankConfig, log_level: int) -> None:
     ops = load_backend(config.backend)
     hf_config = loader.load_config(config.source)
     model = loader.load_model(
-        config.source, hf_config, config.dtype, device, ops, config.load_format, tp, None, config.expert_parallel
+        config.source,
+        hf_config,
+        config.dtype,
+        device,
+        ops,
+        config.load_format,
+        tp,
+        None,
+        config.expert_parallel,
     )
     pack_weights(model, ops, config.dtype, device)
     runner = ModelRunner(model, ops, config.block_size, config.dtype, device)

@@ -118,6 +118,20 @@ def _config(kind: str):
     raise ValueError(kind)
 
 
+def _saved_random_model(config, tokenizer, path):
+    """transformers' model of `config` with the embedded tokenizer's vocabulary, random weights (seed 0),
+    saved with the tokenizer in Hugging Face layout at `path`; returned in eval mode."""
+    import transformers
+
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from conveyor.server.model.loader import load_tokenizer, resolve_model
@@ -233,12 +247,7 @@ def test_transformers_implementation_matches_transformers(kind, backend, tokeniz
         "llama": lambda: transformers.LlamaConfig(**SHAPE),
     }
     config = configs[kind]()
-    config.vocab_size = len(tokenizer)
-    config.eos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    hf.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    hf = _saved_random_model(config, tokenizer, tmp_path)
     impl = "transformers" if kind == "llama" else "auto"
     with caplog.at_level("INFO", logger="conveyor.server.engine.builder"):
         engine = build_engine(
@@ -271,12 +280,7 @@ def test_mixture_of_experts_under_preemption_and_prefix_caching_matches_transfor
         shared_expert_intermediate_size=96,
         norm_topk_prob=True,
     )
-    config.vocab_size = len(tokenizer)
-    config.eos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    hf.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    hf = _saved_random_model(config, tokenizer, tmp_path)
     kv_bytes_per_token = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * 32 * 4
     engine = build_engine(
         EngineConfig(

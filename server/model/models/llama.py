@@ -347,6 +347,37 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(hidden))
 
 
+def check_expert_split(shape: ModelShape, size: int, expert_parallel: bool) -> None:
+    """Whether `size` ranks split `shape`'s mixture-of-experts layers (`SparseMoE`); checked before any
+    rank starts. Raises ValueError naming the flag and the number it does not divide: the experts with
+    `expert_parallel`, else each expert's width; the shared expert's width either way; OLMoE's q/k
+    norms over all heads at any size above 1."""
+    if size == 1:
+        return
+    if shape.qk_norm_all_heads:
+        raise ValueError(
+            "tensor parallelism of q/k norms over all heads (OLMoE) is not supported: run it with "
+            "--tensor-parallel-size 1"
+        )
+    if not shape.num_experts:
+        return
+    if expert_parallel and shape.num_experts % size:
+        raise ValueError(
+            f"--enable-expert-parallel: --tensor-parallel-size {size} does not divide the model's "
+            f"{shape.num_experts} experts"
+        )
+    if not expert_parallel and shape.moe_intermediate_size % size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} does not divide the experts' intermediate size "
+            f"{shape.moe_intermediate_size} (--enable-expert-parallel splits whole experts instead)"
+        )
+    if shape.shared_expert_intermediate_size % size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} does not divide the shared expert's intermediate size "
+            f"{shape.shared_expert_intermediate_size}"
+        )
+
+
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP (`ModelShape`'s expert fields): a softmax router over `num_experts`
     picks `num_experts_per_tok` experts per token and the kernel backend's `fused_moe` runs them; a
@@ -374,22 +405,10 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         experts, width, hidden = shape.num_experts, shape.moe_intermediate_size, shape.hidden_size
+        check_expert_split(shape, tp.size, expert_parallel)
         self.expert_parallel = expert_parallel and tp.size > 1
-        local = experts
-        if self.expert_parallel:
-            if experts % tp.size:
-                raise ValueError(
-                    f"--enable-expert-parallel: --tensor-parallel-size {tp.size} does not divide the "
-                    f"model's {experts} experts"
-                )
-            local = experts // tp.size
-        elif width % tp.size:
-            raise ValueError(
-                f"--tensor-parallel-size {tp.size} does not divide the experts' intermediate size {width} "
-                "(--enable-expert-parallel splits whole experts instead)"
-            )
-        else:
-            width //= tp.size
+        local = experts // tp.size if self.expert_parallel else experts
+        width = width if self.expert_parallel else width // tp.size
         self.first_expert = tp.rank * local if self.expert_parallel else 0
         self.gate = nn.Parameter(torch.empty(experts, hidden))
         self.w13 = nn.Parameter(torch.empty(local, 2 * width, hidden))
@@ -399,13 +418,7 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.shared_expert = None
         if shape.shared_expert_intermediate_size:
-            shared_width = shape.shared_expert_intermediate_size
-            if shared_width % tp.size:
-                raise ValueError(
-                    f"--tensor-parallel-size {tp.size} does not divide the shared expert's intermediate "
-                    f"size {shared_width}"
-                )
-            shared = replace(part, intermediate_size=shared_width // tp.size)
+            shared = replace(part, intermediate_size=shape.shared_expert_intermediate_size // tp.size)
             # A partial sum like the experts' (no all-reduce of its own): one all-reduce adds both.
             self.shared_expert = LlamaMLP(shape, ops, shared, TensorParallel())
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden))
@@ -515,11 +528,7 @@ class LlamaForCausalLM(nn.Module):
         )
         vocab_rows = part.vocab_per_rank if tp.size > 1 else shape.vocab_size
         self.embed_tokens = nn.Embedding(vocab_rows, shape.hidden_size)
-        if tp.size > 1 and shape.qk_norm_all_heads:
-            raise ValueError(
-                "tensor parallelism of q/k norms over all heads (OLMoE) is not supported: run it with "
-                "--tensor-parallel-size 1"
-            )
+        check_expert_split(shape, tp.size, expert_parallel)
         sliding = shape.sliding_layers or (False,) * shape.num_layers
         sparse = shape.moe_layers or (False,) * shape.num_layers
         self.layers = nn.ModuleList(
