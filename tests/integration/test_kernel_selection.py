@@ -97,11 +97,12 @@ def test_experts_run_the_kernel_their_table_names_and_a_real_measurement_is_cach
     the layer's output stays the reference's."""
     from conveyor.kernels import reference
     from conveyor.server.model.models.llama import SparseMoE
+    from conveyor.server.model.parallel import TensorParallel
 
     shape = tiny_llama(False, torch.float32).shape
     shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size = 8, 2, 24
     torch.manual_seed(0)
-    moe = SparseMoE(shape, cpu, None, None)
+    moe = SparseMoE(shape, cpu, None, TensorParallel())  # one rank; no shared expert, so no partition
     for param in moe.parameters():
         nn.init.normal_(param, std=0.2)
     x = torch.randn(6, shape.hidden_size)
