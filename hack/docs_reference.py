@@ -167,7 +167,7 @@ def metrics_page() -> str:
     from conveyor.server.messages import EngineLimits
     from conveyor.server.router.metrics import RouterMetrics
 
-    limits = EngineLimits(  # a mixture-of-experts model's, so its expert series are listed too
+    limits = EngineLimits(  # a mixture-of-experts model's with LoRA, so those series are listed too
         block_size=16,
         num_kv_blocks=1,
         max_num_seqs=1,
@@ -175,12 +175,14 @@ def metrics_page() -> str:
         max_model_len=1,
         num_experts=1,
         sparse_layers=(0,),
+        max_loras=1,
     )
     sections = [
         (
             "Server (`conveyor serve`, `/metrics`)",
             "Names follow vLLM's with the prefix `conveyor:` instead of `vllm:`, so dashboards, alert rules "
-            "and endpoint pickers port over. Every series exists at zero from start.",
+            "and endpoint pickers port over (`vllm:lora_requests_info` keeps vLLM's own name: the Gateway API "
+            "Inference Extension's endpoint picker reads it). Every series exists at zero from start.",
             _families(EngineMetrics("MODEL", limits, per_expert=True).registry),
         ),
         (

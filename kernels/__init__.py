@@ -28,6 +28,7 @@ KERNEL_NAMES = (
     "rotary_embedding",
     "silu_and_mul",
     "fused_moe",
+    "add_lora",
 )
 BACKENDS = {
     "torch": "conveyor.kernels.reference",
@@ -124,6 +125,15 @@ class KernelBackend(Protocol):
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def add_lora(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        indices: torch.Tensor,
     ) -> torch.Tensor: ...
 
 

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    CSRC / name for name in ("cpu_kernels.cpp", "linear.cpp", "quant.cpp", "decoder.cpp", "moe.cpp")
+    CSRC / name
+    for name in ("cpu_kernels.cpp", "linear.cpp", "quant.cpp", "decoder.cpp", "moe.cpp", "lora.cpp")
 )
 EXTENSION_NAME = "conveyor_cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -282,6 +283,21 @@ def fused_moe(
     if hidden.dtype not in (torch.float32, torch.bfloat16):
         return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
     return torch.ops.conveyor_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """See `conveyor.kernels.reference.add_lora`: `csrc/lora.cpp` (rows sorted by adapter, each active
+    adapter's A and B streamed once for its rows, threads over adapters and rows) for float32 and
+    bfloat16; the reference for other dtypes."""
+    if y.dtype not in (torch.float32, torch.bfloat16) or not y.is_contiguous():
+        return reference.add_lora(y, x, lora_a, lora_b, indices)
+    return torch.ops.conveyor_lora.add_lora(y, x, lora_a, lora_b, indices)
 
 
 class CPULinear(nn.Module):

@@ -536,3 +536,37 @@ def fused_moe(
         out.index_add_(0, rows, expert_out.float() * weights[start : start + count, None])
         start += count
     return out.to(hidden.dtype)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """The LoRA deltas of many adapters in one batch (Hu et al. 2021): for each token row t with
+    `i = indices[t] >= 0`, `y[t] += lora_b[i] @ (lora_a[i] @ x[t])`; rows with `indices[t] < 0` (the
+    base model's) are left as they are.
+
+    The rows are sorted by adapter, so each adapter the step uses runs one shrink (`x A^T`) and one
+    expand (`(x A^T) B^T`) over all its rows (the segmented form of Punica's SGMV, Chen et al. 2023,
+    which vLLM's and S-LoRA's kernels share). The LoRA scaling (`lora_alpha / r`) is folded into
+    `lora_b` by the caller; an adapter of rank below R has zero rows in `lora_a` (and columns in
+    `lora_b`) past its rank. y: `[num_tokens, out_features]`, updated in place and returned; x:
+    `[num_tokens, in_features]`; lora_a: `[num_slots, R, in_features]`; lora_b: `[num_slots,
+    out_features, R]` (all of y's dtype); indices: `[num_tokens]` int64 in [-1, num_slots). The delta
+    is computed in float32 and added in float32 before one rounding to y's dtype.
+    """
+    flat = indices.to(torch.long)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat + 1, minlength=lora_a.shape[0] + 1).tolist()
+    start = counts[0]  # rows without an adapter sort first
+    for slot, count in enumerate(counts[1:]):
+        if count == 0:
+            continue
+        rows = order[start : start + count]
+        delta = F.linear(F.linear(x[rows].float(), lora_a[slot].float()), lora_b[slot].float())
+        y[rows] = (y[rows].float() + delta).to(y.dtype)
+        start += count
+    return y

@@ -13,3 +13,12 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     h.update(parent_hash or b"root")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def lora_hash_root(name: str, path: str) -> bytes:
+    """The parent hash of the first block of a request under LoRA adapter `name` loaded from `path`, so a
+    prefix computed under one adapter (its K/V depends on the adapter's weights) is never reused under
+    another, or under the base model (whose first blocks have no parent)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"lora\0" + name.encode() + b"\0" + path.encode())
+    return h.digest()

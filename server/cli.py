@@ -28,6 +28,7 @@ from conveyor.server.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -56,6 +57,7 @@ _ENGINE_GROUPS: dict[str, type[BaseModel]] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "device": DeviceConfig,
+    "lora": LoRAConfig,
 }
 _SERVE_GROUPS: dict[str, type[BaseModel]] = {**_ENGINE_GROUPS, "server": ServerConfig}
 
@@ -99,8 +101,11 @@ def add_model_flags(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
             continue
-        if get_origin(info.annotation) is list:  # repeatable: `--endpoint A B` or `--endpoint A --endpoint B`
-            (item,) = get_args(info.annotation)
+        listed = [a for a in (get_args(info.annotation) or ()) if get_origin(a) is list]
+        if (
+            get_origin(info.annotation) is list or listed
+        ):  # repeatable: `--endpoint A B` or `--endpoint A --endpoint B`
+            (item,) = get_args(listed[0] if listed else info.annotation)
             group.add_argument(
                 flag, dest=name, type=item, nargs="+", action="extend", default=None, help=info.description
             )

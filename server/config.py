@@ -6,9 +6,10 @@ Names and meanings mirror vLLM's engine arguments where one exists.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 GiB = 1 << 30
 
@@ -118,6 +119,87 @@ class ParallelConfig(_Config):
     )
 
 
+class LoRAModule(NamedTuple):
+    """One adapter named on the command line: the name clients pass as `model`, and its PEFT directory."""
+
+    name: str
+    path: str
+
+
+def parse_lora_module(value: str) -> LoRAModule:
+    """One `--lora-modules` entry, in either of vLLM's forms: `name=path`, or JSON `{"name": ...,
+    "path": ..., "base_model_name": ...}` (base_model_name is accepted and not checked: the adapter's
+    tensor shapes are). Raises ValueError naming the entry."""
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules entry {value!r} is not valid JSON: {exc}") from None
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("name"), str)
+            or not isinstance(entry.get("path"), str)
+        ):
+            raise ValueError(f'--lora-modules entry {value!r} must have string "name" and "path" keys')
+        name, path = entry["name"], entry["path"]
+    else:
+        name, sep, path = value.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules entry {value!r} must be name=path or a JSON object")
+    if not name.strip() or not path.strip():
+        raise ValueError(f"--lora-modules entry {value!r} needs a non-empty name and path")
+    return LoRAModule(name.strip(), path.strip())
+
+
+class LoRAConfig(_Config):
+    """LoRA adapters served beside the base model (vLLM's flags and defaults)."""
+
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (PEFT directories) beside the base model"
+    )
+    lora_modules: list[str] | None = Field(
+        None,
+        description='adapters to load at start, each `name=path` or JSON {"name": ..., "path": ...}; clients '
+        "select one with `model: name`",
+    )
+    max_loras: int = Field(1, ge=1, description="adapters one engine step can run (resident at once)")
+    max_lora_rank: int = Field(16, ge=1, le=1024, description="the highest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="loaded adapters kept in CPU memory (least recently used dropped); default: max_loras",
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _modules_parse(cls, value: list[str] | None) -> list[str] | None:
+        names = [parse_lora_module(entry).name for entry in value or ()]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"--lora-modules names {duplicates} more than once")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LoRAConfig:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras {self.max_cpu_loras} must be at least --max-loras {self.max_loras}"
+            )
+        return self
+
+    @property
+    def modules(self) -> list[LoRAModule]:
+        """`lora_modules`, parsed."""
+        return [parse_lora_module(entry) for entry in self.lora_modules or ()]
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept loaded in CPU memory: `max_cpu_loras`, else `max_loras`."""
+        return self.max_cpu_loras or self.max_loras
+
+
 class ServerConfig(_Config):
     """The HTTP front end."""
 
@@ -142,6 +224,11 @@ class ServerConfig(_Config):
     )
     max_request_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="larger request bodies get 413 before they are parsed"
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="with --enable-lora: accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they answer 404",
     )
     enable_expert_load_metrics: bool = Field(
         False,
@@ -177,6 +264,7 @@ class EngineConfig(_Config):
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @model_validator(mode="after")
     def _prompt_fits_step(self) -> EngineConfig:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # a reference the engine passes along; nothing here reads it
+    from conveyor.server.model.lora import LoRAAdapter
 
 
 class FinishReason(enum.StrEnum):
@@ -90,7 +93,8 @@ class EngineRequest:
     nothing downstream checks it again.
 
     prompt_token_ids: the prompt's token ids; arrival_time: seconds (time.monotonic), where TTFT and
-    queue time start; priority: the scheduling priority (`--scheduling-policy priority`: lower first).
+    queue time start; priority: the scheduling priority (`--scheduling-policy priority`: lower first);
+    lora: the LoRA adapter the request runs under (its `model` named it), None for the base model.
     """
 
     request_id: str
@@ -98,6 +102,7 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
+    lora: LoRAAdapter | None = None
 
     def for_choice(self, request_id: str, seed: int | None) -> EngineRequest:
         """The same request under another id and seed (one choice of an `n > 1` request): neither is
@@ -150,6 +155,8 @@ class EngineLimits:
     # dense model).
     num_experts: int = 0
     sparse_layers: tuple[int, ...] = ()
+    # LoRA: adapters one step can run (`--max-loras`; 0 without --enable-lora).
+    max_loras: int = 0
 
 
 @dataclass
@@ -169,7 +176,8 @@ class SchedulerStats:
     prefix_cache_queries, prefix_cache_hits: tokens looked up in and found in the prefix cache in the
     step (first admissions only: see `KVCacheManager.allocate_slots`). expert_tokens: tokens the step
     routed to each expert, `[num_sparse_layers][num_experts]` in the order of `EngineLimits.sparse_layers`
-    (mixture-of-experts models; None otherwise), from the model runner.
+    (mixture-of-experts models; None otherwise), from the model runner. running_lora_adapters,
+    waiting_lora_adapters: names of the LoRA adapters of running and waiting requests, sorted.
     """
 
     num_running: int
@@ -180,6 +188,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     expert_tokens: list[list[int]] | None = None
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass

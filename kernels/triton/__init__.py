@@ -10,6 +10,7 @@ from conveyor.kernels import AttentionMetadata
 from conveyor.kernels.reference import rope_cos_sin_cache
 from conveyor.kernels.triton.device import TritonUnavailableError
 from conveyor.kernels.triton.fused_moe import fused_moe
+from conveyor.kernels.triton.lora import add_lora
 from conveyor.kernels.triton.paged_attention import paged_attention
 from conveyor.kernels.triton.reshape_and_cache import reshape_and_cache
 from conveyor.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
@@ -31,6 +32,7 @@ def prepare_metadata(
 
 __all__ = [
     "TritonUnavailableError",
+    "add_lora",
     "fused_add_rms_norm",
     "fused_moe",
     "paged_attention",

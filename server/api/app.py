@@ -7,6 +7,7 @@ trace or stops the engine loop. A client that disconnects aborts its requests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -26,7 +27,9 @@ from conveyor.server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from conveyor.server.api.responses import (
     KV_EVENT_SCHEMA,
@@ -47,6 +50,8 @@ from conveyor.server.api.serving_completions import CompletionServing
 from conveyor.server.api.sse import kv_event_stream
 from conveyor.server.config import ServerConfig
 from conveyor.server.engine.async_engine import AsyncEngine
+from conveyor.server.engine.lora import UnknownAdapterError
+from conveyor.server.model.lora import LoRAError
 
 logger = logging.getLogger(__name__)
 
@@ -143,17 +148,65 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         "object": "model",
         "created": int(time.time()),  # when this server started serving it
         "owned_by": "conveyor",
+        "root": engine.model_name,
+        "parent": None,
         "max_model_len": engine.max_model_len,
     }
 
+    def cards() -> list[dict]:
+        """The base model's card, then one per served LoRA adapter."""
+        adapters = engine.lora_adapters()
+        return [card] + [
+            {**card, "id": name, "root": path, "parent": engine.model_name} for name, path in adapters.items()
+        ]
+
     @app.get("/v1/models", response_model=ModelList, responses=auth)
     async def models() -> dict:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": cards()}
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={**error_responses(404), **auth})
     async def model(model: str) -> dict:
         chat_serving.check_model(model)
-        return card
+        return next(c for c in cards() if c["id"] == model)
+
+    def check_lora_updating() -> None:
+        if not config.allow_runtime_lora_updating:
+            raise APIError(
+                404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating"
+            )
+        if not engine.lora_enabled:
+            raise APIError(400, "LoRA is off: start the server with --enable-lora", "lora_name")
+
+    lora_responses = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+    @app.post("/v1/load_lora_adapter", response_class=Response, responses={**lora_responses, **plain})
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        """Serve another adapter (`--allow-runtime-lora-updating`). 400 when it cannot be served (a bad
+        path, a rank above --max-lora-rank, another base model's adapter, a name already served)."""
+        check_lora_updating()
+        if req.lora_name == engine.model_name:
+            raise APIError(400, f"`{req.lora_name}` is the base model's name", "lora_name")
+        try:
+            await asyncio.to_thread(engine.load_lora_adapter, req.lora_name, req.lora_path)
+        except LoRAError as exc:
+            param = "lora_name" if "already loaded" in str(exc) else "lora_path"
+            raise APIError(400, str(exc), param) from None
+        return Response(
+            f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain"
+        )
+
+    @app.post("/v1/unload_lora_adapter", response_class=Response, responses={**lora_responses, **plain})
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        """Stop serving an adapter (`--allow-runtime-lora-updating`): new requests naming it get 404;
+        requests already running under it finish with it. 404 for a name not served."""
+        check_lora_updating()
+        try:
+            engine.unload_lora_adapter(req.lora_name)
+        except UnknownAdapterError as exc:
+            raise APIError(404, str(exc), "lora_name", "model_not_found") from None
+        return Response(
+            f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain"
+        )
 
     @app.post(
         "/v1/completions",

@@ -44,7 +44,11 @@ class EngineMetrics:
 
     limits: the engine's (`LLMEngine.limits`), exported as labels of the config-info series. A
     mixture-of-experts model (`limits.num_experts`) adds the expert-load series; `per_expert`
-    (`--enable-expert-load-metrics`) adds one counter per sparse layer and expert.
+    (`--enable-expert-load-metrics`) adds one counter per sparse layer and expert. With LoRA
+    (`limits.max_loras`): the Gateway API Inference Extension's adapter gauge, as
+    `conveyor:lora_requests_info` and under vLLM's name `vllm:lora_requests_info` (the name its endpoint
+    picker reads): one series whose labels list the adapters of running and waiting requests and whose
+    value is the time it was set (Unix seconds); and finished requests per adapter (served names only).
     """
 
     def __init__(
@@ -147,6 +151,24 @@ class EngineMetrics:
             for layer in self.sparse_layers:
                 for expert in range(limits.num_experts):
                     self.expert_tokens.labels(model_name, layer, str(expert))
+        # LoRA: which adapters the replica is running, for a router's adapter affinity.
+        self.max_loras = str(limits.max_loras)
+        self.lora_info: list[Gauge] = []
+        self.lora_requests = None
+        if limits.max_loras:
+            lora_labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+            doc = "LoRA adapters of running and waiting requests (labels, comma-separated; value: Unix time set)."
+            self.lora_info = [
+                Gauge(f"{prefix}:lora_requests_info", doc, lora_labels, registry=r)
+                for prefix in ("conveyor", "vllm")
+            ]
+            self.lora_requests = Counter(
+                "conveyor:lora_requests",
+                "Finished requests per LoRA adapter.",
+                ["model_name", "lora_name", "finished_reason"],
+                registry=r,
+            )
+            self._set_lora_info((), ())
         # Export every gauge and counter from the start, so a query sees 0 rather than no data.
         for series in (self.num_waiting, self.num_running, self.kv_usage, self.prompt_tokens):
             series.labels(model_name)
@@ -175,6 +197,15 @@ class EngineMetrics:
         self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
         if stats.expert_tokens and self.moe_routed is not None:
             self._observe_experts(stats.expert_tokens)
+        if self.lora_info:
+            self._set_lora_info(stats.running_lora_adapters, stats.waiting_lora_adapters)
+
+    def _set_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        """One series per gauge: the last label set replaces the one before."""
+        labels = (self.max_loras, ",".join(running), ",".join(waiting))
+        for gauge in self.lora_info:
+            gauge.clear()
+            gauge.labels(*labels).set_to_current_time()
 
     def _observe_experts(self, expert_tokens: list[list[int]]) -> None:
         name = self.model_name
@@ -205,6 +236,8 @@ class EngineMetrics:
         bucket = input_length_bucket(request.num_prompt_tokens)
         reason = request.finish_reason.value if request.finish_reason else "abort"
         self.request_success.labels(name, reason).inc()
+        if request.lora is not None and self.lora_requests is not None:
+            self.lora_requests.labels(name, request.lora.name, reason).inc()
         end = request.finished_time or request.last_token_time
         if end is None:
             return

@@ -664,3 +664,18 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's body): serve the PEFT adapter in directory `lora_path` as
+    `lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's body; `lora_int_id` is accepted and not needed)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

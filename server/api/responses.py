@@ -102,10 +102,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One served model (vLLM's card): the base model (`parent` null), or a LoRA adapter, whose
+    `parent` is the base model's id and `root` its directory."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 

@@ -51,9 +51,14 @@ class OpenAIServing:
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model, also when `model` is absent). Raises a
+        404 APIError (OpenAI's `model_not_found`) for a name the server does not serve."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.engine.lora_adapters():
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     async def prompt_ids(self, build: Callable, *args):
         """`build(tokenizer, *args)` (prompts.py) in a worker thread, so that tokenizing and chat
@@ -74,9 +79,11 @@ class OpenAIServing:
         priority: int,
         checks: list[StructuredOutputParams] = (),
         names: dict[str, str] | None = None,
+        lora_name: str | None = None,
     ) -> list[EngineRequest]:
-        """The engine's checked requests, one per prompt (`merged` gives each choice its own id), or a
-        400 for a request the engine would refuse: the one check a request gets. `checks`: more
+        """The engine's checked requests, one per prompt (`merged` gives each choice its own id), under
+        the LoRA adapter `lora_name` (`check_model`'s answer), or a 400 for a request the engine would
+        refuse: the one check a request gets. `checks`: more
         constraints that must compile (a chat request's tool schemas under `auto`); `names`: the
         request's own names of the engine's fields (chat: `prompt` is `messages`). Runs in a worker
         thread: compiling a structured-output grammar may take a while, and the event loop keeps
@@ -86,7 +93,7 @@ class OpenAIServing:
             for constraint in checks:
                 self.engine.make_request("check", prompts[0], replace(params, structured_output=constraint))
             return [
-                self.engine.make_request(str(p), prompt_ids, params, arrival, priority)
+                self.engine.make_request(str(p), prompt_ids, params, arrival, priority, lora_name)
                 for p, prompt_ids in enumerate(prompts)
             ]
 

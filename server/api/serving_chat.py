@@ -47,7 +47,8 @@ class ChatServing(OpenAIServing):
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
-        self.check_model(req.model)
+        lora_name = self.check_model(req.model)
+        model = lora_name or self.model_name  # responses name the adapter a request ran under, as vLLM's
         prompt_ids = await self.prompt_ids(chat_request_prompt_ids, req)
         max_tokens = (
             req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
@@ -57,7 +58,7 @@ class ChatServing(OpenAIServing):
         if req.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         requests = await self.make_requests(
-            [prompt_ids], params, arrival, req.priority, req.tool_schema_checks(), names
+            [prompt_ids], params, arrival, req.priority, req.tool_schema_checks(), names, lora_name
         )
         self.admit(req.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -80,7 +81,7 @@ class ChatServing(OpenAIServing):
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": model,
             }
             opening = [
                 {
@@ -98,7 +99,7 @@ class ChatServing(OpenAIServing):
             "id": rid,
             "object": "chat.completion",
             "created": created,
-            "model": self.model_name,
+            "model": model,
             "choices": [self._chat_choice(c, req) for c in choices],
             "usage": usage(len(prompt_ids), sum(len(c.token_ids) for c in choices)),
         }

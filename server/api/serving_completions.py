@@ -35,10 +35,11 @@ class CompletionServing(OpenAIServing):
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
-        self.check_model(req.model)
+        lora_name = self.check_model(req.model)
+        model = lora_name or self.model_name  # responses name the adapter a request ran under, as vLLM's
         prompts = await self.prompt_ids(completion_prompt_ids, req.prompt)
         params = req.sampling_params(req.max_tokens or 16, req.logprobs)
-        requests = await self.make_requests(prompts, params, arrival, req.priority)
+        requests = await self.make_requests(prompts, params, arrival, req.priority, lora_name=lora_name)
         self.admit(len(prompts) * req.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         stream = self.merged(requests, req.n)
@@ -51,7 +52,7 @@ class CompletionServing(OpenAIServing):
                 reason = out.finish_reason.value if out.finish_reason else None
                 return {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
 
-            header = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+            header = {"id": rid, "object": "text_completion", "created": created, "model": model}
             return sse_response(stream, header, num_prompt_tokens, req.include_usage, delta)
 
         choices = await self.collect(stream, raw, len(prompts) * req.n)
@@ -59,7 +60,7 @@ class CompletionServing(OpenAIServing):
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": model,
             "choices": [
                 {
                     "index": c.index,

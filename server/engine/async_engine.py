@@ -153,6 +153,27 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    # LoRA adapters (`LoRARegistry`, thread-safe): read and changed from the API's worker threads.
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora is not None
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Served adapter names -> their directories, in the order they were loaded ({} without LoRA)."""
+        registry = self.engine.lora
+        if registry is None:
+            return {}
+        return {name: path for name in registry.names if (path := registry.path(name)) is not None}
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Read and serve an adapter (blocking: call it from a worker thread). Raises LoRAError."""
+        self.engine.lora.add(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving `name`; its running requests finish with it. Raises UnknownAdapterError."""
+        self.engine.lora.remove(name)
+
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size

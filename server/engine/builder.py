@@ -1,7 +1,7 @@
 """Assembles an engine from an EngineConfig (vLLM's `EngineCore.__init__`, nano-vllm's
 `ModelRunner.__init__`), in order: device -> model source and config -> dtype -> kernel backend ->
-tokenizer -> tensor-parallel workers -> weights (loaded, then packed for the backend) -> model runner ->
-KV pool (measured on CUDA, `--kv-cache-memory` on CPU) -> limits (`max_model_len`, `max_num_seqs`) ->
+tokenizer -> tensor-parallel workers -> weights (loaded, then packed for the backend) -> model runner
+(with LoRA slots, and the `--lora-modules` adapters read) -> KV pool (measured on CUDA, `--kv-cache-memory` on CPU) -> limits (`max_model_len`, `max_num_seqs`) ->
 the engine. Every choice made here is logged once; every refusal is a ValueError naming the flag.
 """
 
@@ -18,6 +18,7 @@ from conveyor.kernels import onednn, pack_weights, select_backend
 from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB, check_prompt_fits_step
 from conveyor.server.engine.engine import LLMEngine
+from conveyor.server.engine.lora import LoRARegistry
 from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.messages import EngineLimits
 from conveyor.server.model import loader
@@ -128,6 +129,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             model = TransformersForCausalLM.load(source.path, hf_config, dtype, device, ops, dummy)
             weights, weight_bytes = loader.weights_info(model)
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
+        lora = _lora_registry(config, runner, shape)
         kv_bytes_per_token = capacity.kv_bytes_per_token(
             shape.num_layers,
             shape.num_kv_heads,
@@ -181,6 +183,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             weights,
             weight_bytes,
             *_experts(model),
+            max_loras=config.lora.max_loras if lora is not None else 0,
         )
         served_model_name = mc.served_model_name or source.default_name
         release_freed_memory()
@@ -193,11 +196,33 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             kv_pool_bytes=pool_bytes,
             kv_bytes_per_token=kv_bytes_per_token,
             observer=make_observer(served_model_name, limits) if make_observer is not None else None,
+            lora=lora,
         )
     except BaseException:
         if workers is not None:
             workers.shutdown()
         raise
+
+
+def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegistry | None:
+    """With --enable-lora: the runner's adapter slots, and the registry with the `--lora-modules`
+    adapters read (None without it). Raises ValueError (LoRAError) naming the adapter that cannot be
+    served, or the flag where LoRA does not run."""
+    lc = config.lora
+    if not lc.enable_lora:
+        return None
+    slots = runner.enable_lora(lc.max_loras, lc.max_lora_rank)
+    logger.info(
+        "LoRA: %d adapter slots of rank %d (%.1f MiB), %d adapters kept in CPU memory",
+        lc.max_loras,
+        lc.max_lora_rank,
+        slots.num_bytes / (1 << 20),
+        lc.cpu_loras,
+    )
+    registry = LoRARegistry(lc, shape)
+    for module in lc.modules:
+        registry.add(module.name, module.path)
+    return registry
 
 
 def release_freed_memory() -> None:

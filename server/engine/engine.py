@@ -15,13 +15,15 @@ import torch
 
 from conveyor.server.config import EngineConfig
 from conveyor.server.engine.kv_cache import KVCacheManager
+from conveyor.server.engine.lora import LoRARegistry
 from conveyor.server.engine.output import OutputProcessor
 from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import SchedulerOutput, make_scheduler
 from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.engine.structured_output import StructuredOutputManager
-from conveyor.server.engine.validation import validate_request
+from conveyor.server.engine.validation import InvalidRequestError, validate_request
 from conveyor.server.messages import EngineLimits, EngineRequest, FinishReason, RequestOutput, SamplingParams
+from conveyor.server.model.lora import LoRAError
 from conveyor.server.model.runner import ModelRunner
 
 
@@ -46,7 +48,8 @@ class LLMEngine:
 
     limits: the KV pool and scheduler limits settled at start; kv_pool_bytes: the pool's bytes
     (`num_kv_blocks` blocks of `block_size` tokens, `kv_bytes_per_token` bytes each); observer: told of
-    every step, new token and finished request (the Prometheus metrics), or None.
+    every step, new token and finished request (the Prometheus metrics), or None; lora: the served
+    LoRA adapters (`--enable-lora`; the runner then holds `limits.max_loras` slots), or None.
     """
 
     def __init__(
@@ -60,8 +63,10 @@ class LLMEngine:
         kv_pool_bytes: int,
         kv_bytes_per_token: int,
         observer: StatsObserver | None = None,
+        lora: LoRARegistry | None = None,
     ) -> None:
         self.config = config
+        self.lora = lora
         self.tokenizer = tokenizer
         self.runner = runner
         self.limits = limits
@@ -77,7 +82,9 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             limits.num_kv_blocks, limits.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = make_scheduler(config.scheduler, self.kv_cache, limits.max_num_seqs)
+        self.scheduler = make_scheduler(
+            config.scheduler, self.kv_cache, limits.max_num_seqs, limits.max_loras
+        )
         self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size)
         self.output_processor = OutputProcessor(
             tokenizer, self.structured_output, self.max_model_len, observer
@@ -112,10 +119,12 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> EngineRequest:
-        """Check a request against this engine and return it ready to queue (`add_request`). Raises
-        InvalidRequestError naming the field. Thread-safe; may compile a structured-output grammar
-        (cached), so callers on an event loop run it in a worker thread."""
+        """Check a request against this engine and return it ready to queue (`add_request`), under the
+        LoRA adapter `lora_name` (None: the base model). Raises InvalidRequestError naming the field.
+        Thread-safe; may compile a structured-output grammar (cached) or read an adapter's files, so
+        callers on an event loop run it in a worker thread."""
         validate_request(
             prompt_token_ids, params, self.vocab_size, self.max_model_len, self.structured_output
         )
@@ -125,7 +134,19 @@ class LLMEngine:
             params,
             arrival_time if arrival_time is not None else time.monotonic(),
             priority,
+            self._adapter(lora_name),
         )
+
+    def _adapter(self, name: str | None):
+        """The LoRA adapter served as `name` (None for None). Raises InvalidRequestError naming `model`."""
+        if name is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError(f"The model `{name}` does not exist (LoRA is off).", "model")
+        try:
+            return self.lora.get(name)
+        except LoRAError as exc:
+            raise InvalidRequestError(str(exc), "model") from None
 
     def add_request(self, new: EngineRequest) -> Request:
         """Queue a request `make_request` returned. Raises ValueError for a request id already queued
@@ -138,6 +159,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             arrival_time=new.arrival_time,
             priority=new.priority,
+            lora=new.lora,
         )
         if request.generator is None:
             request.generator = self.global_generator

@@ -119,7 +119,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(len(request.block_hashes), num_tokens // bs):
-            parent = request.block_hashes[i - 1] if i else None
+            parent = request.block_hashes[i - 1] if i else request.hash_root
             request.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> list[int]:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from conveyor.server.messages import FinishReason, Logprob, SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.server.model.lora import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +55,14 @@ class Request:
     error: str | None = None
     # Prompt followed by output tokens, kept as one list so a step can slice it without copying both.
     all_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter the request runs under (None: the base model), held until the request ends.
+    lora: LoRAAdapter | None = None
+
+    @property
+    def hash_root(self) -> bytes | None:
+        """The parent hash of the request's first KV block: its adapter's (`block_hash.lora_hash_root`),
+        so prefixes are shared only between requests of the same adapter; None for the base model."""
+        return self.lora.hash_root if self.lora is not None else None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:

@@ -7,6 +7,8 @@ decodes, one token each) are served first, then waiting prompts fill what is lef
 in chunks when chunked prefill is on. When KV blocks run out, the most recently arrived running request
 is preempted: its blocks are freed, it keeps its generated tokens and goes back to the waiting queue to
 be recomputed (vLLM's recompute preemption). Finished and aborted requests free their blocks at once.
+With LoRA, the running requests use at most `max_loras` adapters (the slots the model runner holds): a
+waiting request of another adapter waits while requests behind it that fit are admitted (vLLM's rule).
 
 `StaticScheduler` is the request-level baseline the benchmarks compare against: a batch is admitted only
 when the previous one has ended, and its finished members keep computing padding tokens until it does.
@@ -54,17 +56,21 @@ class Scheduler:
     """Decides who runs each step (continuous batching). Pure bookkeeping over `Request`s and the KV
     cache manager.
 
-    max_model_len: requests never grow past it (the engine validates prompts against it).
+    max_model_len: requests never grow past it (the engine validates prompts against it). max_loras:
+    LoRA adapters the running requests may use at once (0: no LoRA).
     """
 
     scheduling = "continuous"
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int, max_loras: int = 0
+    ) -> None:
         if config.scheduling != self.scheduling:
             raise ValueError(f"{type(self).__name__} schedules {self.scheduling!r}; use make_scheduler")
         self.config = config
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -115,6 +121,8 @@ class Scheduler:
             len(schedule.preempted),
             prefix.queries,
             prefix.hits,
+            running_lora_adapters=_adapter_names(self.running),
+            waiting_lora_adapters=_adapter_names(self.waiting),
         )
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -178,8 +186,14 @@ class Scheduler:
         # Then waiting requests.
         admit = self._admits(out)
         self.waiting.sort(key=self._order_key)
-        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        adapters = {r.lora.uid for r in self.running if r.lora is not None}
+        position = 0  # waiting requests before it wait for an adapter slot
+        while admit and position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[position]
+            lora = request.lora
+            if lora is not None and lora.uid not in adapters and len(adapters) >= self.max_loras:
+                position += 1
+                continue
             computed = self.kv_cache.get_computed_blocks(request)
             num_computed = len(computed) * self.kv_cache.block_size
             num_new = request.num_tokens - num_computed
@@ -190,7 +204,9 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, computed):
                 request.num_computed_tokens = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(position)
+            if lora is not None:
+                adapters.add(lora.uid)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_computed
@@ -226,6 +242,10 @@ class Scheduler:
         return updated
 
 
+def _adapter_names(requests: list[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
+
+
 class StaticScheduler(Scheduler):
     """Request-level (static) batching, the baseline continuous batching is measured against: a batch is
     admitted only when the previous one has ended, prompts are never chunked, and a finished member of an
@@ -234,8 +254,10 @@ class StaticScheduler(Scheduler):
 
     scheduling = "static"
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int) -> None:
-        super().__init__(config, kv_cache, max_num_seqs)
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int, max_loras: int = 0
+    ) -> None:
+        super().__init__(config, kv_cache, max_num_seqs, max_loras)
         # Finished members of the current batch, still computing padding tokens.
         self.padding: list[Request] = []
 
@@ -291,7 +313,9 @@ class StaticScheduler(Scheduler):
         )
 
 
-def make_scheduler(config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int) -> Scheduler:
+def make_scheduler(
+    config: SchedulerConfig, kv_cache: KVCacheManager, max_num_seqs: int, max_loras: int = 0
+) -> Scheduler:
     """The scheduler `config.scheduling` names: `continuous` (Scheduler) or `static` (StaticScheduler)."""
     cls = StaticScheduler if config.scheduling == "static" else Scheduler
-    return cls(config, kv_cache, max_num_seqs)
+    return cls(config, kv_cache, max_num_seqs, max_loras)

@@ -3,8 +3,9 @@
 No policy here: the scheduler decided who runs and how many tokens each computes. The runner owns the
 KV cache tensors (one key and one value tensor per layer, `[num_blocks, block_size, num_kv_heads,
 head_dim]`) and builds, without padding, the step's token ids, positions, slot mapping, block tables
-and query/sequence lengths (`ModelInput`); under tensor parallelism rank 0 builds it once and every rank
-runs the model on it. Each step it has the kernel backend prepare the attention metadata once for all
+and query/sequence lengths (`ModelInput`), and with LoRA each token's adapter slot (after copying the
+step's adapters into the model's slots, `LoRASlots.activate`); under tensor parallelism rank 0 builds it
+once and every rank runs the model on it. Each step it has the kernel backend prepare the attention metadata once for all
 layers, and builds the sampling inputs of the rows that sample as tensors (`SamplingMetadata`).
 """
 
@@ -26,6 +27,7 @@ from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import SchedulerOutput
 from conveyor.server.engine.structured_output import grammar_bitmask
 from conveyor.server.messages import MAX_LOGPROBS
+from conveyor.server.model.lora import LoRASlots
 from conveyor.server.model.models.llama import LlamaForCausalLM
 from conveyor.server.model.sampler import (
     Penalties,
@@ -47,13 +49,15 @@ class ModelInput:
 
     input_ids, positions: `[num_tokens]` int64; meta: the step's AttentionMetadata; logits_rows:
     `[num_sampling_rows]` int64 indices of the tokens whose logits are sampled (each sampling
-    request's last token).
+    request's last token); lora_indices: `[num_tokens]` int64 LoRA slot of each token (-1: the base
+    model), None when no token has an adapter.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
+    lora_indices: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -90,6 +94,14 @@ class ModelRunner:
         self.workers = workers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layer_loop = fused_layer_loop(model, ops, device)
+        self.lora: LoRASlots | None = None
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRASlots:
+        """Give the model `max_loras` adapter slots of rank `max_lora_rank` (`LoRASlots`); steps whose
+        tokens all run the base model keep the fused layer loop. Raises ValueError where LoRA does not
+        run (see `LoRASlots`)."""
+        self.lora = LoRASlots(self.model, self.ops, max_loras, max_lora_rank, self.dtype, self.device)
+        return self.lora
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the KV cache on every rank: one key and one value tensor per layer, `[num_blocks,
@@ -125,9 +137,12 @@ class ModelRunner:
             raise capacity.InsufficientGPUMemoryError(peak, budget)
         return budget - peak
 
-    def prepare_inputs(self, schedule: SchedulerOutput) -> ModelInput:
+    def prepare_inputs(
+        self, schedule: SchedulerOutput, lora_slots: dict[int, int] | None = None
+    ) -> ModelInput:
         """The step's token ids, positions, slot mapping, block tables and query/sequence lengths,
-        without padding, in schedule order."""
+        without padding, in schedule order; with `lora_slots` (adapter uid -> slot), each token's
+        adapter slot."""
         scheduled = schedule.scheduled
         bs = self.block_size
         input_ids: list[int] = []
@@ -158,11 +173,20 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         rows = [query_start_loc[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
+        lora_indices = None
+        if lora_slots:
+            lora_indices = torch.from_numpy(
+                np.repeat(
+                    [-1 if s.request.lora is None else lora_slots[s.request.lora.uid] for s in scheduled],
+                    [s.num_new_tokens for s in scheduled],
+                ).astype(np.int64)
+            )
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=torch.from_numpy(np.concatenate(positions)),
             meta=meta,
             logits_rows=torch.tensor(rows, dtype=torch.long),
+            lora_indices=lora_indices,
         )
 
     @torch.inference_mode()
@@ -184,7 +208,14 @@ class ModelRunner:
                 max_seq_len=meta.max_seq_len,
             )
         input_ids = inputs.input_ids.to(dev)
-        if self.layer_loop is not None and self.layer_loop.runs(meta.max_query_len):  # reads the metadata
+        lora_indices = None if inputs.lora_indices is None else inputs.lora_indices.to(dev)
+        if self.lora is not None:
+            self.lora.context.indices = lora_indices
+        if (
+            self.layer_loop is not None
+            and lora_indices is None  # the C++ layer loop has no LoRA
+            and self.layer_loop.runs(meta.max_query_len)  # reads the metadata
+        ):
             hidden = self.layer_loop(
                 self.model.embed(input_ids),
                 positions,
@@ -220,7 +251,9 @@ class ModelRunner:
         """Run one step (on every rank). Returns the ids of the requests that sampled a token, and the
         samples in that order (requests mid-way through a chunked prefill compute K/V only). The
         sampling inputs are built here as tensors (`build_sampling_metadata`) for the sampler."""
-        inputs = self.prepare_inputs(schedule)
+        adapters = [s.request.lora for s in schedule.scheduled if s.request.lora is not None]
+        lora_slots = self.lora.activate(adapters) if adapters and self.lora is not None else None
+        inputs = self.prepare_inputs(schedule, lora_slots)
         if self.workers is not None:
             self.workers.tell("forward", inputs)
         logits = self.forward(inputs)

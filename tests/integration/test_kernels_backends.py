@@ -645,6 +645,54 @@ def test_fused_moe(backend: ModuleType, case, dtype, poisoned_empty):
     torch.testing.assert_close(out.float(), expected, **_tol(dtype))
 
 
+# (tokens, in_features, out_features, rank, slots, adapter index per token): adapters mixed in a decode
+# batch, base-model rows (-1) between them, one adapter over a prefill's rows, odd widths.
+LORA_CASES = [
+    (8, 576, 960, 16, 4, [0, -1, 1, 2, 3, -1, 2, 0]),
+    (37, 100, 130, 8, 3, [1] * 30 + [-1] * 5 + [2, 0]),
+    (4, 64, 48, 24, 2, [-1, -1, -1, -1]),
+]
+LORA_IDS = ["mixed-decode", "prefill-odd-widths", "base-only"]
+
+
+def lora_case(tokens, in_features, out_features, rank, slots, index, dtype):
+    """y, x, lora_a, lora_b, indices of one LORA_CASES row; slots no row names hold NaN (never read)."""
+    g = torch.Generator().manual_seed(36)
+    y = torch.randn(tokens, out_features, generator=g).to(dtype)
+    x = torch.randn(tokens, in_features, generator=g).to(dtype)
+    lora_a = (torch.randn(slots, rank, in_features, generator=g) / in_features**0.5).to(dtype)
+    lora_b = torch.randn(slots, out_features, rank, generator=g).to(dtype)
+    indices = torch.tensor(index, dtype=torch.long)
+    for slot in set(range(slots)) - set(index):
+        lora_a[slot] = float("nan")
+        lora_b[slot] = float("nan")
+    return y, x, lora_a, lora_b, indices
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LORA_CASES, ids=LORA_IDS)
+def test_add_lora(backend: ModuleType, case, dtype, poisoned_empty):
+    """Each row gets its own adapter's delta, base rows keep y exactly, unused slots are not read; the
+    reference in float32 on the same values."""
+    y, x, lora_a, lora_b, indices = lora_case(*case, dtype)
+    expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices)
+    base_rows = indices < 0
+    before = y.clone()
+    out = backend.add_lora(y, x, lora_a, lora_b, indices)
+    assert out.data_ptr() == y.data_ptr() and out.dtype == dtype  # in place
+    assert torch.equal(out[base_rows], before[base_rows])
+    torch.testing.assert_close(out.float(), expected, **_tol(dtype))
+
+
+def test_reference_add_lora_is_the_lora_formula():
+    """The contract itself, row by row: y + B_i (A_i x) for rows with an adapter."""
+    y, x, lora_a, lora_b, indices = lora_case(*LORA_CASES[0], torch.float32)
+    out = ref.add_lora(y.clone(), x, lora_a, lora_b, indices)
+    for t, i in enumerate(indices.tolist()):
+        want = y[t] if i < 0 else y[t] + lora_b[i] @ (lora_a[i] @ x[t])
+        torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-5)
+
+
 # --- the same kernels compiled for CUDA ----------------------------------------------------------
 
 
@@ -884,3 +932,13 @@ def test_gpu_fused_moe(triton_cuda: ModuleType, case, dtype):
     out = triton_cuda.fused_moe(x, w13, w2, weights, ids)
     expected = ref.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(out.float(), expected, **_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", LORA_CASES, ids=LORA_IDS)
+def test_gpu_add_lora(triton_cuda: ModuleType, case, dtype):
+    y, x, lora_a, lora_b, indices = lora_case(*case, dtype)
+    expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices)
+    out = triton_cuda.add_lora(y.cuda(), x.cuda(), lora_a.cuda(), lora_b.cuda(), indices.cuda())
+    torch.testing.assert_close(out.float().cpu(), expected, **_tol(dtype))

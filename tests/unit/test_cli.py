@@ -73,6 +73,8 @@ def _other_value(info):
         return (info.default or 3) * 2 + 1  # within every field's bounds (ports, body size, ...)
     if kind is str:
         return "some-value"
+    if get_origin(kind) is list:  # --lora-modules
+        return ["adapter=/some/path", '{"name": "other", "path": "/other/path"}']
     raise AssertionError(f"no test value for {annotation}")
 
 

@@ -1,0 +1,318 @@
+"""Multi-LoRA serving on the real embedded model (SmolLM2-135M-Instruct), with adapters made here by
+`peft` (random, non-zero A and B; several ranks, alphas and target modules, one with rsLoRA).
+
+The reference for every adapter is `peft`'s merged model (`merge_and_unload`) in float32 through
+transformers' greedy `generate`: the engine's greedy tokens must equal it, token for token, with
+adapters and the base model mixed in one batch, under `--max-loras 2` with five adapters (slots and
+the CPU cache evicting), and after prefixes were cached under other adapters. The HTTP tests run a real
+uvicorn server and the `openai` client.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.integration.conftest import engine_config
+from tests.k8s.cluster import free_port
+
+pytestmark = pytest.mark.slow
+
+# name -> (rank, alpha, target modules, rsLoRA)
+ADAPTERS = {
+    "all-r8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    "qv-r4": (4, 8, ["q_proj", "v_proj"], False),
+    "mlp-r16": (16, 8, ["gate_proj", "up_proj", "down_proj"], False),
+    "ko-r2-rslora": (2, 4, ["k_proj", "o_proj"], True),
+    "down-r12": (12, 24, ["down_proj", "q_proj"], False),
+}
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    # The classic recursive definition, with a dictionary of results already computed, so that\n"
+    "    # each value is computed once; the base cases are 0 and 1, which return n itself.\n",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_model, tmp_path_factory, tokenizer) -> dict[str, tuple[str, list[list[int]]]]:
+    """name -> (PEFT directory, merged model's greedy tokens for each of PROMPTS)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    made = {}
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + seed)
+        config = LoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
+        )
+        peft_model = get_peft_model(copy.deepcopy(hf_model), config)
+        path = root / name
+        peft_model.save_pretrained(str(path))
+        merged = PeftModel.from_pretrained(copy.deepcopy(hf_model), str(path)).merge_and_unload().eval()
+        made[name] = (str(path), [_greedy(merged, tokenizer(p)) for p in PROMPTS])
+    return made
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from conveyor.server.model.loader import converted, load_tokenizer, resolve_model
+
+    return load_tokenizer(converted(resolve_model(None)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(hf_tokenizer):
+    """text -> prompt token ids, as the server tokenizes a completion prompt."""
+    return lambda text: hf_tokenizer(text)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def base_tokens(hf_model, tokenizer) -> list[list[int]]:
+    return [_greedy(hf_model, tokenizer(p)) for p in PROMPTS]
+
+
+def _greedy(model, prompt_ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def _lora_engine(adapters, names, **lora):
+    from conveyor.server.config import LoRAConfig
+    from conveyor.server.engine.builder import build_engine
+
+    config = engine_config()
+    modules = [f"{name}={adapters[name][0]}" for name in names]
+    return build_engine(
+        config.model_copy(update={"lora": LoRAConfig(enable_lora=True, lora_modules=modules, **lora)})
+    )
+
+
+def _run(engine, jobs: list[tuple[str | None, list[int]]]) -> tuple[list[list[int]], list]:
+    """Queue every (adapter, prompt) at once, step until all finish; returns tokens per job and the
+    adapters of each step's requests."""
+    from conveyor.server.messages import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = []
+    for i, (name, prompt) in enumerate(jobs):
+        request = engine.make_request(f"job-{i}-{time.monotonic_ns()}", prompt, params, lora_name=name)
+        engine.add_request(request)
+        ids.append(request.request_id)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append({r.lora.name for r in engine.scheduler.running if r.lora is not None})
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[rid] for rid in ids], steps
+
+
+def test_four_adapters_and_the_base_model_in_one_batch_match_peft(adapters, base_tokens, tokenizer):
+    names = list(ADAPTERS)[:4]
+    engine = _lora_engine(adapters, names, max_loras=4)
+    jobs = [(None, tokenizer(p)) for p in PROMPTS] + [(n, tokenizer(p)) for n in names for p in PROMPTS]
+    tokens, steps = _run(engine, jobs)
+    expected = base_tokens + [t for n in names for t in adapters[n][1]]
+    assert tokens == expected
+    # All four adapters ran in the same steps, beside the base model's rows.
+    assert any(s == set(names) for s in steps)
+    assert engine.kv_cache.usage == 0.0
+
+    # A prefix computed under one adapter is not reused under another (or by the base model), and is
+    # reused under the same one.
+    long_prompt = tokenizer(PROMPTS[1])
+    assert len(long_prompt) >= 2 * engine.limits.block_size
+    first, _ = _run(engine, [(names[0], long_prompt)])
+    again, _ = _run(engine, [(names[1], long_prompt), (None, long_prompt), (names[0], long_prompt)])
+    assert first == [adapters[names[0]][1][1]]
+    assert again == [adapters[names[1]][1][1], base_tokens[1], adapters[names[0]][1][1]]
+
+
+def test_prefix_cache_hits_only_under_the_same_adapter(adapters, tokenizer):
+    from conveyor.server.engine.request import Request
+    from conveyor.server.messages import SamplingParams
+
+    engine = _lora_engine(adapters, ["qv-r4", "all-r8"], max_loras=2)
+    prompt = tokenizer(PROMPTS[1])
+    _run(engine, [("qv-r4", prompt)])
+    kv = engine.kv_cache
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    hits = {}
+    for name in ("qv-r4", "all-r8", None):
+        probe = Request("probe", list(prompt), params, None, lora=engine.lora.get(name) if name else None)
+        hits[name] = len(kv.get_computed_blocks(probe))
+    assert hits["qv-r4"] == (len(prompt) - 1) // engine.limits.block_size > 0
+    assert hits["all-r8"] == 0 and hits[None] == 0
+
+
+def test_five_adapters_through_two_slots_keep_outputs_right(adapters, tokenizer):
+    """--max-loras 2 and --max-cpu-loras 2 with five adapters: requests of a third adapter wait for a
+    slot, slots are rewritten, adapters dropped from CPU memory are read again; no step runs more than
+    two adapters, and no KV block is left held."""
+    names = list(ADAPTERS)
+    engine = _lora_engine(adapters, names, max_loras=2, max_cpu_loras=2)
+    jobs = [(n, tokenizer(p)) for p in PROMPTS for n in names]
+    tokens, steps = _run(engine, jobs)
+    assert tokens == [adapters[n][1][i] for i in range(len(PROMPTS)) for n in names]
+    assert max(len(s) for s in steps) == 2
+    assert engine.kv_cache.usage == 0.0
+
+
+def _adapter_dir(tmp_path: Path, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save_file
+
+    path = tmp_path / name
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+def test_adapters_that_cannot_be_served_are_refused_by_name(tmp_path):
+    from conveyor.server.config import LoRAConfig
+    from conveyor.server.engine.lora import LoRARegistry, UnknownAdapterError
+    from conveyor.server.model.loader import converted, load_config, resolve_model
+    from conveyor.server.model.lora import LoRAError
+    from conveyor.server.model.models.llama import ModelShape
+
+    shape = ModelShape.from_hf_config(load_config(converted(resolve_model(None))))
+    registry = LoRARegistry(LoRAConfig(enable_lora=True, max_lora_rank=8), shape)
+    key = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+    lora = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+
+    def good(layer=0, rank=8, width=576):
+        return {
+            key.format(layer, "A"): torch.randn(rank, width),
+            key.format(layer, "B"): torch.randn(576, rank),
+        }
+
+    cases = {
+        "missing": (str(tmp_path / "nowhere"), "is not a directory"),
+        "rank": (
+            _adapter_dir(tmp_path, "rank", {**lora, "r": 16}, good(rank=16)),
+            "rank 16 exceeds --max-lora-rank 8",
+        ),
+        "other-base": (_adapter_dir(tmp_path, "other", lora, good(width=960)), "expected [8, 576]"),
+        "layers": (_adapter_dir(tmp_path, "layers", lora, good(layer=40)), "base model has 30 layers"),
+        "dora": (_adapter_dir(tmp_path, "dora", {**lora, "use_dora": True}, good()), "use_dora"),
+        "prefix": (_adapter_dir(tmp_path, "prefix", {"peft_type": "PREFIX_TUNING"}, good()), "is not LORA"),
+        "embeddings": (
+            _adapter_dir(
+                tmp_path,
+                "emb",
+                lora,
+                {"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(8, 5)},
+            ),
+            "does not adapt",
+        ),
+    }
+    for name, (path, message) in cases.items():
+        with pytest.raises(LoRAError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            registry.add(name, path)
+    assert registry.names == []
+    registry.add("fine", _adapter_dir(tmp_path, "fine", lora, good()))
+    with pytest.raises(LoRAError, match="already loaded"):
+        registry.add("fine", str(tmp_path / "fine"))
+    registry.remove("fine")
+    with pytest.raises(UnknownAdapterError):
+        registry.get("fine")
+
+
+@pytest.fixture(scope="module")
+def lora_server(adapters):
+    """A real uvicorn server with two adapters from --lora-modules (one in the JSON form), room for a
+    third at runtime, and runtime updating on."""
+    import uvicorn
+
+    from conveyor.server.api.app import create_app
+    from conveyor.server.api.metrics import EngineMetrics
+    from conveyor.server.cli import parse_serve_argv
+    from conveyor.server.engine.async_engine import AsyncEngine
+    from conveyor.server.engine.builder import build_engine
+
+    first, second = list(ADAPTERS)[:2]
+    settings = parse_serve_argv(
+        [
+            "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", str(256 << 20),
+            "--enable-lora", "--max-loras", "2", "--allow-runtime-lora-updating",
+            "--lora-modules", f"{first}={adapters[first][0]}",
+            json.dumps({"name": second, "path": adapters[second][0], "base_model_name": "SmolLM2"}),
+        ]
+    )  # fmt: skip
+    llm = build_engine(settings.engine, EngineMetrics)
+    app = create_app(AsyncEngine(llm), llm.observer, settings.server)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        assert thread.is_alive()
+        time.sleep(0.05)
+    port = uv.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_adapters_are_served_through_the_openai_api(lora_server, adapters, base_tokens, hf_tokenizer):
+    client = openai.OpenAI(base_url=lora_server + "/v1", api_key="unused", max_retries=0)
+    first, second, third = list(ADAPTERS)[:3]
+    cards = {m.id: m for m in client.models.list().data}
+    base = next(name for name, card in cards.items() if card.parent is None)
+    assert set(cards) == {base, first, second}
+    assert cards[first].parent == base and cards[first].root == adapters[first][0]
+
+    def complete(model: str, prompt: str) -> str:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.model == model
+        return out.choices[0].text
+
+    def text(token_ids: list[int]) -> str:
+        return hf_tokenizer.decode(token_ids)
+
+    for name in (first, second):
+        assert complete(name, PROMPTS[0]) == text(adapters[name][1][0])
+    assert complete(base, PROMPTS[0]) == text(base_tokens[0])
+    with pytest.raises(openai.NotFoundError, match=third):
+        complete(third, PROMPTS[0])
+
+    # Runtime load: a bad one is a 400 naming the problem, and the server keeps serving.
+    http = httpx.Client(base_url=lora_server, timeout=60)
+    bad = http.post("/v1/load_lora_adapter", json={"lora_name": third, "lora_path": "/nowhere"})
+    assert bad.status_code == 400 and "is not a directory" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "lora_path"
+    loaded = http.post("/v1/load_lora_adapter", json={"lora_name": third, "lora_path": adapters[third][0]})
+    assert loaded.status_code == 200, loaded.text
+    again = http.post("/v1/load_lora_adapter", json={"lora_name": third, "lora_path": adapters[third][0]})
+    assert again.status_code == 400 and "already loaded" in again.text
+    assert complete(third, PROMPTS[1]) == text(adapters[third][1][1])
+    assert third in {m.id for m in client.models.list().data}
+
+    # Unload: new requests get 404, the model list drops it; unknown names are 404 too.
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": third}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete(third, PROMPTS[0])
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": third}).status_code == 404
+    assert third not in {m.id for m in client.models.list().data}
+
+    metrics = http.get("/metrics").text
+    for prefix in ("vllm", "conveyor"):
+        assert (
+            f'{prefix}:lora_requests_info{{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}}'
+            in metrics
+        )
+    assert (
+        f'conveyor:lora_requests_total{{finished_reason="length",lora_name="{first}",model_name="{base}"}} 1.0'
+        in metrics
+    )
