@@ -134,6 +134,7 @@ class KernelBackend(Protocol):
         lora_a: torch.Tensor,
         lora_b: torch.Tensor,
         indices: torch.Tensor,
+        output_slices: tuple[int, ...] | None = None,
     ) -> torch.Tensor: ...
 
 

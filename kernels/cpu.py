@@ -291,13 +291,15 @@ def add_lora(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     indices: torch.Tensor,
+    output_slices: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """See `conveyor.kernels.reference.add_lora`: `csrc/lora.cpp` (rows sorted by adapter, each active
-    adapter's A and B streamed once for its rows, threads over adapters and rows) for float32 and
-    bfloat16; the reference for other dtypes."""
+    adapter's A and B streamed once for its rows, threads over adapters and rows or columns) for float32
+    and bfloat16; the reference for other dtypes."""
     if y.dtype not in (torch.float32, torch.bfloat16) or not y.is_contiguous():
-        return reference.add_lora(y, x, lora_a, lora_b, indices)
-    return torch.ops.conveyor_lora.add_lora(y, x, lora_a, lora_b, indices)
+        return reference.add_lora(y, x, lora_a, lora_b, indices, output_slices)
+    slices = list(output_slices or (y.shape[1],))
+    return torch.ops.conveyor_lora.add_lora(y, x, lora_a, lora_b, indices, slices)
 
 
 class CPULinear(nn.Module):

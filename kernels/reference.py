@@ -544,20 +544,28 @@ def add_lora(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     indices: torch.Tensor,
+    output_slices: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The LoRA deltas of many adapters in one batch (Hu et al. 2021): for each token row t with
-    `i = indices[t] >= 0`, `y[t] += lora_b[i] @ (lora_a[i] @ x[t])`; rows with `indices[t] < 0` (the
-    base model's) are left as they are.
+    `i = indices[t] >= 0`, `y[t] += B_i (A_i x[t])`; rows with `indices[t] < 0` (the base model's) are
+    left as they are.
 
-    The rows are sorted by adapter, so each adapter the step uses runs one shrink (`x A^T`) and one
-    expand (`(x A^T) B^T`) over all its rows (the segmented form of Punica's SGMV, Chen et al. 2023,
-    which vLLM's and S-LoRA's kernels share). The LoRA scaling (`lora_alpha / r`) is folded into
-    `lora_b` by the caller; an adapter of rank below R has zero rows in `lora_a` (and columns in
-    `lora_b`) past its rank. y: `[num_tokens, out_features]`, updated in place and returned; x:
-    `[num_tokens, in_features]`; lora_a: `[num_slots, R, in_features]`; lora_b: `[num_slots,
-    out_features, R]` (all of y's dtype); indices: `[num_tokens]` int64 in [-1, num_slots). The delta
-    is computed in float32 and added in float32 before one rounding to y's dtype.
+    A projection fused from S slices (q/k/v, gate/up) has one A and one B per slice: `output_slices`
+    gives the slices' widths (summing to `out_features`; None: one slice). lora_a stacks the slices'
+    A matrices, `[num_slots, S * R, in_features]`, so one shrink gives every slice's `mid = A x`;
+    lora_b holds every B transposed side by side, `[num_slots, R, out_features]`, so output column c of
+    slice s is `sum_r mid[s * R + r] * lora_b[i, r, c]` (no zero blocks, and the expand reads B along
+    its output columns). The LoRA scaling (`lora_alpha / r`) is folded into lora_b by the caller; an
+    adapter of rank below R has zeros past its rank.
+
+    The rows are sorted by adapter, so each adapter the step uses runs one shrink and one expand over
+    all its rows (the segmented form of Punica's SGMV, Chen et al. 2023). y: `[num_tokens,
+    out_features]`, updated in place and returned; x: `[num_tokens, in_features]`; lora_a, lora_b in
+    y's dtype; indices: `[num_tokens]` int64 in [-1, num_slots). The delta is computed in float32 and
+    added in float32 before one rounding to y's dtype.
     """
+    slices = output_slices or (y.shape[1],)
+    rank = lora_b.shape[1]
     flat = indices.to(torch.long)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat + 1, minlength=lora_a.shape[0] + 1).tolist()
@@ -566,7 +574,12 @@ def add_lora(
         if count == 0:
             continue
         rows = order[start : start + count]
-        delta = F.linear(F.linear(x[rows].float(), lora_a[slot].float()), lora_b[slot].float())
+        mid = F.linear(x[rows].float(), lora_a[slot].float())  # [rows, S * R]
+        b = lora_b[slot].float()
+        delta = torch.cat(
+            [mid[:, s * rank : (s + 1) * rank] @ part for s, part in enumerate(b.split(list(slices), dim=1))],
+            dim=1,
+        )
         y[rows] = (y[rows].float() + delta).to(y.dtype)
         start += count
     return y

@@ -222,7 +222,9 @@ def machine_key() -> dict[str, str]:
                 cpuinfo.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    source = b"".join((cpu.CSRC / name).read_bytes() for name in ("linear.cpp", "quant.cpp", "moe.cpp", "grouped.h"))
+    source = b"".join(
+        (cpu.CSRC / name).read_bytes() for name in ("linear.cpp", "quant.cpp", "moe.cpp", "grouped.h")
+    )
     return {
         "cpu": cpuinfo.get("model name", platform.processor() or platform.machine()),
         "flags": hashlib.sha256(cpuinfo.get("flags", cpuinfo.get("Features", "")).encode()).hexdigest()[:16],

@@ -1,14 +1,17 @@
 // LoRA deltas of many adapters in one batch on CPUs (`conveyor.kernels.reference.add_lora` is the
 // contract): the step's token rows are sorted by adapter (a counting sort, stable), and each adapter the
-// step uses runs its shrink (`x A^T`, rank-wide) and expand (`(x A^T) B^T`) over all its rows at once,
-// the segmented form of Punica's SGMV (Chen et al., 2023), so an adapter's A and B are read once per
-// step, not once per token. Rows whose adapter index is negative are left as they are.
+// step uses runs its shrink (`mid = A x`, every slice's A stacked) and expand (`y += B mid`, B stored
+// transposed, `[R, out]`) over all its rows at once, the segmented form of Punica's SGMV (Chen et al.,
+// 2023), so an adapter's matrices are read once per step, not once per token. Rows whose adapter index
+// is negative are left as they are.
 //
-// Two passes, each one at::parallel_for over (adapter, 16 weight rows) work items:
-//   1. shrink: rows r..r+16 of the adapter's A, dotted with each of its token rows -> mid[row, r]
-//      (float32);
-//   2. expand: rows o..o+16 of the adapter's B, dotted with each row's mid -> y[row, o] += delta
-//      (added in float32, rounded once to y's dtype).
+// Two passes, each one at::parallel_for over work items:
+//   1. shrink, items (adapter, 16 rows of A): A's rows dotted with each of the adapter's token rows
+//      (grouped.h's tiles) -> mid[row, k] (float32);
+//   2. expand, items (adapter, 64 output columns within one slice): for each token row, the columns'
+//      float32 sums start from y, take `mid[row, slice * R + r] * B[r, columns]` for r < R (vector
+//      multiply-adds along the columns, B's block staying in cache across the adapter's rows), and are
+//      rounded once to y's dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,14 +33,33 @@ namespace conveyor::lora {
 
 using at::Tensor;
 using grouped::rows_times_pairs;
+#if defined(CONVEYOR_SIMD_VECTOR)
+using simd::Simd;
+#endif
 
-constexpr int64_t kRowsPerItem = 16;  // weight rows per work item
+constexpr int64_t kRowsPerItem = 16;  // rows of A per shrink work item
+constexpr int64_t kColsPerItem = 64;  // output columns per expand work item
+
+// acc[c] += m * b[c] for c < n.
+template <typename T>
+inline void axpy(float m, const T* b, float* acc, int64_t n) {
+  int64_t c = 0;
+#if defined(CONVEYOR_SIMD_VECTOR)
+  if constexpr (simd::kVectorType<T>) {
+    const Simd::Vec mv = Simd::set1(m);
+    for (; c + Simd::kLanes <= n; c += Simd::kLanes) {
+      Simd::store(acc + c, Simd::fmadd(mv, Simd::load(b + c), Simd::load(acc + c)));
+    }
+  }
+#endif
+  for (; c < n; ++c) acc[c] += m * static_cast<float>(b[c]);
+}
 
 template <typename T>
-void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
-                    const Tensor& indices) {
-  const int64_t num_tokens = x.size(0), in_features = x.size(1);
-  const int64_t num_slots = lora_a.size(0), rank = lora_a.size(1), out_features = lora_b.size(1);
+void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b, const Tensor& indices,
+                    const std::vector<int64_t>& slices) {
+  const int64_t num_tokens = x.size(0), in_features = x.size(1), out_features = y.size(1);
+  const int64_t num_slots = lora_a.size(0), stacked = lora_a.size(1), rank = lora_b.size(1);
   const int64_t* index = indices.data_ptr<int64_t>();
   const T* x_data = x.data_ptr<T>();
   const T* a_data = lora_a.data_ptr<T>();
@@ -63,60 +85,72 @@ void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tens
   std::vector<const T*> x_rows(num_rows);
   for (int64_t s = 0; s < num_rows; ++s) x_rows[s] = x_data + sorted_row[s] * in_features;
 
-  auto items_of = [&](int64_t rows) {
-    std::vector<std::pair<int64_t, int64_t>> items;
-    for (int64_t a = 0; a < num_slots; ++a) {
-      if (start[a + 1] == start[a]) continue;
-      for (int64_t r = 0; r < rows; r += kRowsPerItem) items.emplace_back(a, r);
-    }
-    return items;
-  };
-
-  // 1. shrink: mid[s, r] = A[a, r] . x[row s].
-  std::vector<float> mid(num_rows * rank);
-  const auto shrink_items = items_of(rank);
+  // 1. shrink: mid[s, k] = A[a, k] . x[row s], k < S * R.
+  std::vector<float> mid(num_rows * stacked);
+  std::vector<std::pair<int64_t, int64_t>> shrink_items;
+  for (int64_t a = 0; a < num_slots; ++a) {
+    if (start[a + 1] == start[a]) continue;
+    for (int64_t k = 0; k < stacked; k += kRowsPerItem) shrink_items.emplace_back(a, k);
+  }
   at::parallel_for(0, static_cast<int64_t>(shrink_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const auto [a, r0] = shrink_items[item];
-      const int64_t r1 = std::min(rank, r0 + kRowsPerItem);
+      const auto [a, k0] = shrink_items[item];
+      const int64_t k1 = std::min(stacked, k0 + kRowsPerItem);
       const int64_t first = start[a], count = start[a + 1] - first;
-      rows_times_pairs(a_data + a * rank * in_features, in_features, r0, r1, x_rows.data() + first, count,
-                       mid.data() + first * rank + r0, rank);
+      rows_times_pairs(a_data + a * stacked * in_features, in_features, k0, k1, x_rows.data() + first, count,
+                       mid.data() + first * stacked + k0, stacked);
     }
   });
 
-  // 2. expand: y[row s, o] += B[a, o] . mid[s].
-  std::vector<const float*> mid_rows(num_rows);
-  for (int64_t s = 0; s < num_rows; ++s) mid_rows[s] = mid.data() + s * rank;
-  const auto expand_items = items_of(out_features);
-  at::parallel_for(0, static_cast<int64_t>(expand_items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> delta;
+  // 2. expand: y[row s, c] += sum_r mid[s, slice(c) * R + r] * B[a, r, c], in blocks of columns that
+  // stay within one slice.
+  struct Block {
+    int64_t adapter, first_col, cols, slice;
+  };
+  std::vector<Block> blocks;
+  for (int64_t a = 0; a < num_slots; ++a) {
+    if (start[a + 1] == start[a]) continue;
+    int64_t offset = 0;
+    for (size_t s = 0; s < slices.size(); ++s) {
+      for (int64_t c = 0; c < slices[s]; c += kColsPerItem) {
+        blocks.push_back({a, offset + c, std::min(kColsPerItem, slices[s] - c), static_cast<int64_t>(s)});
+      }
+      offset += slices[s];
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+    float acc[kColsPerItem];
     for (int64_t item = begin; item < end; ++item) {
-      const auto [a, o0] = expand_items[item];
-      const int64_t o1 = std::min(out_features, o0 + kRowsPerItem), rows = o1 - o0;
-      const int64_t first = start[a], count = start[a + 1] - first;
-      delta.resize(count * rows);
-      rows_times_pairs(b_data + a * out_features * rank, rank, o0, o1, mid_rows.data() + first, count,
-                       delta.data(), rows);
-      for (int64_t p = 0; p < count; ++p) {
-        T* out = y_data + sorted_row[first + p] * out_features + o0;
-        for (int64_t o = 0; o < rows; ++o) {
-          out[o] = static_cast<T>(static_cast<float>(out[o]) + delta[p * rows + o]);
-        }
+      const Block& block = blocks[item];
+      const T* b = b_data + block.adapter * rank * out_features + block.first_col;
+      for (int64_t p = start[block.adapter]; p < start[block.adapter + 1]; ++p) {
+        T* out = y_data + sorted_row[p] * out_features + block.first_col;
+        for (int64_t c = 0; c < block.cols; ++c) acc[c] = static_cast<float>(out[c]);
+        const float* m = mid.data() + p * stacked + block.slice * rank;
+        for (int64_t r = 0; r < rank; ++r) axpy(m[r], b + r * out_features, acc, block.cols);
+        for (int64_t c = 0; c < block.cols; ++c) out[c] = static_cast<T>(acc[c]);
       }
     }
   });
 }
 
-// See `conveyor.kernels.reference.add_lora`. y [T, out], x [T, in], lora_a [L, R, in], lora_b [L, out, R]:
-// one dtype, float32 or bfloat16; indices [T] int64 in [-1, L). y is updated in place and returned.
-Tensor add_lora(Tensor y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b, const Tensor& indices) {
+// See `conveyor.kernels.reference.add_lora`. y [T, out], x [T, in], lora_a [L, S * R, in], lora_b [L, R, out]:
+// one dtype, float32 or bfloat16; indices [T] int64 in [-1, L); output_slices: S widths summing to out.
+// y is updated in place and returned.
+Tensor add_lora(Tensor y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b, const Tensor& indices,
+                at::IntArrayRef output_slices) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3,
               "add_lora: y and x are 2-D, lora_a and lora_b 3-D");
-  TORCH_CHECK(x.size(0) == y.size(0) && indices.numel() == x.size(0), "add_lora: y, x and indices have one row per token");
-  TORCH_CHECK(lora_a.size(2) == x.size(1) && lora_b.size(1) == y.size(1) && lora_a.size(1) == lora_b.size(2) &&
-                  lora_a.size(0) == lora_b.size(0),
-              "add_lora: lora_a [L, R, in] and lora_b [L, out, R] do not match x [T, in] and y [T, out]");
+  TORCH_CHECK(x.size(0) == y.size(0) && indices.numel() == x.size(0),
+              "add_lora: y, x and indices have one row per token");
+  const std::vector<int64_t> slices(output_slices.begin(), output_slices.end());
+  int64_t total = 0;
+  for (const int64_t w : slices) total += w;
+  TORCH_CHECK(!slices.empty() && total == y.size(1), "add_lora: output_slices must sum to y's width ", y.size(1));
+  TORCH_CHECK(lora_a.size(2) == x.size(1) && lora_b.size(2) == y.size(1) && lora_a.size(0) == lora_b.size(0) &&
+                  lora_a.size(1) == static_cast<int64_t>(slices.size()) * lora_b.size(1),
+              "add_lora: lora_a [L, S * R, in] and lora_b [L, R, out] do not match x [T, in], y [T, out] and ",
+              slices.size(), " slices");
   TORCH_CHECK(y.scalar_type() == x.scalar_type() && x.scalar_type() == lora_a.scalar_type() &&
                   lora_a.scalar_type() == lora_b.scalar_type(),
               "add_lora: y, x, lora_a and lora_b share one dtype");
@@ -125,10 +159,10 @@ Tensor add_lora(Tensor y, const Tensor& x, const Tensor& lora_a, const Tensor& l
   const Tensor index = indices.to(at::kLong).contiguous();
   switch (y.scalar_type()) {
     case at::kFloat:
-      add_lora_typed<float>(y, xc, a, b, index);
+      add_lora_typed<float>(y, xc, a, b, index, slices);
       break;
     case at::kBFloat16:
-      add_lora_typed<c10::BFloat16>(y, xc, a, b, index);
+      add_lora_typed<c10::BFloat16>(y, xc, a, b, index, slices);
       break;
     default:
       TORCH_CHECK(false, "add_lora: float32 or bfloat16, not ", y.scalar_type());
@@ -139,6 +173,7 @@ Tensor add_lora(Tensor y, const Tensor& x, const Tensor& lora_a, const Tensor& l
 }  // namespace conveyor::lora
 
 CONVEYOR_LIBRARY(CONVEYOR_LORA_NAMESPACE, m) {
-  m.def("add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor indices) -> Tensor(a!)",
+  m.def("add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor indices, int[] output_slices) -> "
+        "Tensor(a!)",
         &conveyor::lora::add_lora);
 }

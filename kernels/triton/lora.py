@@ -2,8 +2,8 @@
 program per (token row, tile of output columns), each reading its row's adapter index.
 
 Same contract as `conveyor.kernels.reference.add_lora`. Two kernels: the shrink (`mid[t] = A[i] @ x[t]`,
-float32, `[num_tokens, R]`), then the expand (`y[t] += B[i] @ mid[t]`, added in float32 and rounded once
-to y's dtype). Rows whose index is negative are masked out of every load and store, so the base model's
+float32, `[num_tokens, S * R]` over the S slices' stacked A), then the expand (`y[t, c] += sum_r
+mid[t, slice(c) * R + r] * B[i, r, c]`, added in float32 and rounded once to y's dtype). Rows whose index is negative are masked out of every load and store, so the base model's
 rows cost no weight reads. Decode batches (one row per sequence, adapters mixed) are the case this
 layout serves; the rank is small, so the sums are reductions over register tiles, not `tl.dot`.
 """
@@ -23,7 +23,16 @@ _BLOCK_N = 64
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, mid_ptr, index_ptr, rank, k, stride_x, stride_as, stride_ar, BLOCK_R: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    mid_ptr,
+    index_ptr,
+    rank,
+    k,
+    stride_x,
+    stride_as,
+    stride_ar,
+    BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """One (token row, BLOCK_R ranks): mid[t, r] = sum_k A[i, r, k] * x[t, k]."""
@@ -48,28 +57,36 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    mid_ptr, b_ptr, y_ptr, index_ptr, rank, n, stride_y, stride_bs, stride_bn, BLOCK_N: tl.constexpr,
+    mid_ptr,
+    b_ptr,
+    y_ptr,
+    index_ptr,
+    col_slice_ptr,
+    rank,
+    stacked,
+    n,
+    stride_y,
+    stride_bs,
+    BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """One (token row, BLOCK_N output columns): y[t, o] += sum_r B[i, o, r] * mid[t, r]."""
+    """One (token row, BLOCK_N output columns): y[t, c] += sum_r mid[t, slice(c) * R + r] * B[i, r, c]."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(index_ptr + row)
     cols = tl.where(slot >= 0, n, 0)  # a base-model row reads and writes nothing
     slot = tl.maximum(slot, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < cols
+    first = tl.load(col_slice_ptr + offs_n, mask=offs_n < n, other=0) * rank  # the slice's first mid
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        mid = tl.load(mid_ptr + row * rank + offs_r, mask=offs_r < rank, other=0.0)
-        b = tl.load(
-            b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
-            mask=(offs_n[:, None] < cols) & (offs_r[None, :] < rank),
-            other=0.0,
-        ).to(tl.float32)
-        acc += tl.sum(b * mid[None, :], axis=1)
-    mask = offs_n < cols
-    y = tl.load(y_ptr + row * stride_y + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs_n, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+        ok = (offs_r[:, None] < rank) & col_ok[None, :]
+        mid = tl.load(mid_ptr + row * stacked + first[None, :] + offs_r[:, None], mask=ok, other=0.0)
+        b = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * n + offs_n[None, :], mask=ok, other=0.0)
+        acc += tl.sum(b.to(tl.float32) * mid, axis=0)
+    y = tl.load(y_ptr + row * stride_y + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs_n, (y + acc).to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
 def add_lora(
@@ -78,28 +95,63 @@ def add_lora(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     indices: torch.Tensor,
+    output_slices: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """See `conveyor.kernels.reference.add_lora` (same shapes; y updated in place and returned).
 
     Raises ValueError when y's or x's rows are strided, or the shapes do not match."""
     num_tokens, k = x.shape
-    slots, rank, _ = lora_a.shape
     n = y.shape[1]
-    if y.stride(-1) != 1 or x.stride(-1) != 1 or lora_b.shape != (slots, n, rank) or lora_a.shape[2] != k:
+    slices = tuple(output_slices or (n,))
+    slots, stacked, _ = lora_a.shape
+    rank = lora_b.shape[1]
+    if (
+        y.stride(-1) != 1
+        or x.stride(-1) != 1
+        or lora_b.shape != (slots, rank, n)
+        or lora_a.shape[2] != k
+        or stacked != len(slices) * rank
+        or sum(slices) != n
+    ):
         raise ValueError(
-            f"add_lora: y {tuple(y.shape)}, x {tuple(x.shape)}, lora_a {tuple(lora_a.shape)} and lora_b "
-            f"{tuple(lora_b.shape)} must be [T, out], [T, in], [L, R, in], [L, out, R] with contiguous rows"
+            f"add_lora: y {tuple(y.shape)}, x {tuple(x.shape)}, lora_a {tuple(lora_a.shape)}, lora_b "
+            f"{tuple(lora_b.shape)} and output_slices {slices} must be [T, out], [T, in], [L, S * R, in], "
+            "[L, R, out] and S widths summing to out, with contiguous rows"
         )
     check_device(_shrink_kernel, y)
     if num_tokens == 0 or rank == 0:
         return y
     a, b = lora_a.contiguous(), lora_b.contiguous()
     index = indices.to(device=y.device, dtype=torch.int64).contiguous()
-    mid = torch.zeros(num_tokens, rank, dtype=torch.float32, device=y.device)
-    _shrink_kernel[(num_tokens, triton.cdiv(rank, _BLOCK_R))](
-        x, a, mid, index, rank, k, x.stride(0), a.stride(0), a.stride(1), BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K
+    col_slice = torch.repeat_interleave(
+        torch.arange(len(slices), dtype=torch.int32), torch.tensor(slices)
+    ).to(y.device)
+    mid = torch.zeros(num_tokens, stacked, dtype=torch.float32, device=y.device)
+    _shrink_kernel[(num_tokens, triton.cdiv(stacked, _BLOCK_R))](
+        x,
+        a,
+        mid,
+        index,
+        stacked,
+        k,
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        BLOCK_R=_BLOCK_R,
+        BLOCK_K=_BLOCK_K,
     )
     _expand_kernel[(num_tokens, triton.cdiv(n, _BLOCK_N))](
-        mid, b, y, index, rank, n, y.stride(0), b.stride(0), b.stride(1), BLOCK_N=_BLOCK_N, BLOCK_R=_BLOCK_R
+        mid,
+        b,
+        y,
+        index,
+        col_slice,
+        rank,
+        stacked,
+        n,
+        y.stride(0),
+        b.stride(0),
+        BLOCK_N=_BLOCK_N,
+        BLOCK_R=_BLOCK_R,
     )
     return y

@@ -4,12 +4,13 @@ adapters run from.
 An adapter adds `scaling * B (A x)` to a projection's output (`A: [r, in]`, `B: [out, r]`, `scaling =
 lora_alpha / r`, or `lora_alpha / sqrt(r)` with rsLoRA). PEFT names the projections as transformers
 does (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`); the decoder fuses
-q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so an adapter of a fused projection is stacked:
-its A matrices one under another (`[slices * R, in]`), its B matrices block-diagonal (`[out, slices *
-R]`), which is the same sum as the separate products (vLLM's packed LoRA layers do the same).
+q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so an adapter of a fused projection keeps one A and
+one B per slice: its A matrices one under another (`[slices * R, in]`, one shrink for all), its B
+matrices transposed side by side (`[R, out]`), each slice's columns expanded from its own part of the
+shrink (vLLM's packed LoRA layers keep them per slice too).
 
 `LoRASlots` holds `max_loras` slots per projection, `[max_loras, slices * max_lora_rank, in]` and
-`[max_loras, out, slices * max_lora_rank]` in the model's dtype (an adapter of lower rank is zero-padded),
+`[max_loras, max_lora_rank, out]` in the model's dtype (an adapter of lower rank is zero-padded),
 and wraps each projection in a `LoRALinear`, which runs the base projection and then the kernel
 backend's `add_lora` over the step's per-token slot indices (`LoRAContext`). Slots are reused least
 recently used first, never for an adapter the step runs (the scheduler keeps a step's adapters within
@@ -203,7 +204,7 @@ class LoRAContext:
 class LoRALinear(nn.Module):
     """A projection plus the LoRA deltas of the step's adapters: `base(x)`, then the kernel backend's
     `add_lora` with this projection's slots (`lora_a [max_loras, slices * R, in]`, `lora_b
-    [max_loras, out, slices * R]`)."""
+    [max_loras, R, out]`)."""
 
     def __init__(
         self,
@@ -229,7 +230,7 @@ class LoRALinear(nn.Module):
         )
         self.register_buffer(
             "lora_b",
-            torch.zeros(max_loras, sum(slice_widths), stacked, dtype=dtype, device=device),
+            torch.zeros(max_loras, max_rank, sum(slice_widths), dtype=dtype, device=device),
             persistent=False,
         )
         self.ops = ops
@@ -240,7 +241,7 @@ class LoRALinear(nn.Module):
         indices = self.context.indices
         if indices is None:
             return y
-        return self.ops.add_lora(y.contiguous(), x, self.lora_a, self.lora_b, indices)
+        return self.ops.add_lora(y.contiguous(), x, self.lora_a, self.lora_b, indices, self.slice_widths)
 
     def write(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Put one adapter's (A, B) per slice (None: the slice is not adapted) into `slot`."""
@@ -252,7 +253,7 @@ class LoRALinear(nn.Module):
                 a, b = pair
                 rows = slice(i * self.max_rank, i * self.max_rank + a.shape[0])
                 self.lora_a[slot, rows] = a.to(self.lora_a.dtype)
-                self.lora_b[slot, offset : offset + width, rows] = b.to(self.lora_b.dtype)
+                self.lora_b[slot, : a.shape[0], offset : offset + width] = b.T.to(self.lora_b.dtype)
             offset += width
 
 

@@ -645,28 +645,30 @@ def test_fused_moe(backend: ModuleType, case, dtype, poisoned_empty):
     torch.testing.assert_close(out.float(), expected, **_tol(dtype))
 
 
-# (tokens, in_features, out_features, rank, slots, adapter index per token): adapters mixed in a decode
-# batch, base-model rows (-1) between them, one adapter over a prefill's rows, odd widths.
+# (tokens, in_features, output slices, rank, slots, adapter index per token): adapters mixed in a decode
+# batch of a fused q/k/v projection, base-model rows (-1) between them, one adapter over a prefill's
+# rows with odd widths (gate/up), every row on the base model.
 LORA_CASES = [
-    (8, 576, 960, 16, 4, [0, -1, 1, 2, 3, -1, 2, 0]),
-    (37, 100, 130, 8, 3, [1] * 30 + [-1] * 5 + [2, 0]),
-    (4, 64, 48, 24, 2, [-1, -1, -1, -1]),
+    (8, 576, (576, 192, 192), 16, 4, [0, -1, 1, 2, 3, -1, 2, 0]),
+    (37, 100, (67, 63), 8, 3, [1] * 30 + [-1] * 5 + [2, 0]),
+    (4, 64, (48,), 24, 2, [-1, -1, -1, -1]),
 ]
-LORA_IDS = ["mixed-decode", "prefill-odd-widths", "base-only"]
+LORA_IDS = ["mixed-decode-qkv", "prefill-odd-widths", "base-only"]
 
 
-def lora_case(tokens, in_features, out_features, rank, slots, index, dtype):
-    """y, x, lora_a, lora_b, indices of one LORA_CASES row; slots no row names hold NaN (never read)."""
+def lora_case(tokens, in_features, slices, rank, slots, index, dtype):
+    """y, x, lora_a, lora_b, indices, output_slices of one LORA_CASES row; slots no row names hold NaN
+    (never read)."""
     g = torch.Generator().manual_seed(36)
-    y = torch.randn(tokens, out_features, generator=g).to(dtype)
+    y = torch.randn(tokens, sum(slices), generator=g).to(dtype)
     x = torch.randn(tokens, in_features, generator=g).to(dtype)
-    lora_a = (torch.randn(slots, rank, in_features, generator=g) / in_features**0.5).to(dtype)
-    lora_b = torch.randn(slots, out_features, rank, generator=g).to(dtype)
+    lora_a = (torch.randn(slots, len(slices) * rank, in_features, generator=g) / in_features**0.5).to(dtype)
+    lora_b = torch.randn(slots, rank, sum(slices), generator=g).to(dtype)
     indices = torch.tensor(index, dtype=torch.long)
     for slot in set(range(slots)) - set(index):
         lora_a[slot] = float("nan")
         lora_b[slot] = float("nan")
-    return y, x, lora_a, lora_b, indices
+    return y, x, lora_a, lora_b, indices, slices
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -674,22 +676,28 @@ def lora_case(tokens, in_features, out_features, rank, slots, index, dtype):
 def test_add_lora(backend: ModuleType, case, dtype, poisoned_empty):
     """Each row gets its own adapter's delta, base rows keep y exactly, unused slots are not read; the
     reference in float32 on the same values."""
-    y, x, lora_a, lora_b, indices = lora_case(*case, dtype)
-    expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices)
+    y, x, lora_a, lora_b, indices, slices = lora_case(*case, dtype)
+    expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices, slices)
     base_rows = indices < 0
     before = y.clone()
-    out = backend.add_lora(y, x, lora_a, lora_b, indices)
+    out = backend.add_lora(y, x, lora_a, lora_b, indices, slices)
     assert out.data_ptr() == y.data_ptr() and out.dtype == dtype  # in place
     assert torch.equal(out[base_rows], before[base_rows])
     torch.testing.assert_close(out.float(), expected, **_tol(dtype))
 
 
 def test_reference_add_lora_is_the_lora_formula():
-    """The contract itself, row by row: y + B_i (A_i x) for rows with an adapter."""
-    y, x, lora_a, lora_b, indices = lora_case(*LORA_CASES[0], torch.float32)
-    out = ref.add_lora(y.clone(), x, lora_a, lora_b, indices)
+    """The contract itself, row by row and slice by slice: y + B_s,i (A_s,i x) for rows with an adapter."""
+    y, x, lora_a, lora_b, indices, slices = lora_case(*LORA_CASES[0], torch.float32)
+    rank = lora_b.shape[1]
+    out = ref.add_lora(y.clone(), x, lora_a, lora_b, indices, slices)
     for t, i in enumerate(indices.tolist()):
-        want = y[t] if i < 0 else y[t] + lora_b[i] @ (lora_a[i] @ x[t])
+        parts = []
+        for s, (first, width) in enumerate(zip((0, 576, 768), slices, strict=True)):
+            a = lora_a[i, s * rank : (s + 1) * rank]  # [R, in]
+            b = lora_b[i, :, first : first + width].T  # [width, R]
+            parts.append(b @ (a @ x[t]))
+        want = y[t] if i < 0 else y[t] + torch.cat(parts)
         torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-5)
 
 
@@ -938,7 +946,7 @@ def test_gpu_fused_moe(triton_cuda: ModuleType, case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", LORA_CASES, ids=LORA_IDS)
 def test_gpu_add_lora(triton_cuda: ModuleType, case, dtype):
-    y, x, lora_a, lora_b, indices = lora_case(*case, dtype)
-    expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices)
-    out = triton_cuda.add_lora(y.cuda(), x.cuda(), lora_a.cuda(), lora_b.cuda(), indices.cuda())
+    y, x, lora_a, lora_b, indices, slices = lora_case(*case, dtype)
+    expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices, slices)
+    out = triton_cuda.add_lora(y.cuda(), x.cuda(), lora_a.cuda(), lora_b.cuda(), indices.cuda(), slices)
     torch.testing.assert_close(out.float().cpu(), expected, **_tol(dtype))

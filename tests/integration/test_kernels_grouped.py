@@ -71,14 +71,14 @@ def test_fused_moe_refuses_an_expert_id_outside_the_experts(fused_moe):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", LORA_CASES, ids=LORA_IDS)
 def test_add_lora_matches_the_reference(add_lora, case, dtype):
-    y, x, lora_a, lora_b, indices = lora_case(*case, dtype)
-    expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices)
-    out = add_lora(y, x, lora_a, lora_b, indices)
+    y, x, lora_a, lora_b, indices, slices = lora_case(*case, dtype)
+    expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices, slices)
+    out = add_lora(y, x, lora_a, lora_b, indices, list(slices))
     assert out.data_ptr() == y.data_ptr()
     torch.testing.assert_close(out.float(), expected, **_tol(dtype))
 
 
 def test_add_lora_refuses_a_slot_outside_the_slots(add_lora):
-    y, x, lora_a, lora_b, indices = lora_case(*LORA_CASES[0], torch.float32)
+    y, x, lora_a, lora_b, indices, slices = lora_case(*LORA_CASES[0], torch.float32)
     with pytest.raises(RuntimeError, match="adapter index 4 outside"):
-        add_lora(y, x, lora_a, lora_b, torch.full_like(indices, 4))
+        add_lora(y, x, lora_a, lora_b, torch.full_like(indices, 4), list(slices))
