@@ -83,11 +83,9 @@ def measure(
             modules = [f"a{i}={paths[i]}" for i in range(count)]
             config = EngineConfig(
                 model=ModelConfig(dtype=dtype, max_model_len=512),
-                cache=CacheConfig(kv_cache_memory=256 << 20),
+                cache=CacheConfig(kv_cache_memory=1 << 30),
                 scheduler=SchedulerConfig(max_num_seqs=sequences),
-                lora=LoRAConfig(
-                    enable_lora=True, lora_modules=modules, max_loras=count, max_lora_rank=max(adapters)
-                ),
+                lora=LoRAConfig(enable_lora=True, lora_modules=modules, max_loras=count, max_lora_rank=rank),
             )
             engine = build_engine(config)
             run(engine, [None], sequences, 4)  # warm-up (and the kernel tables)

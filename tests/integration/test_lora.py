@@ -299,8 +299,16 @@ def test_adapters_are_served_through_the_openai_api(lora_server, adapters, base_
     assert complete(third, PROMPTS[1]) == text(adapters[third][1][1])
     assert third in {m.id for m in client.models.list().data}
 
-    # Unload: new requests get 404, the model list drops it; unknown names are 404 too.
+    # Unload while a request runs under it: the request finishes with it, unchanged; new requests get
+    # 404 and the model list drops it; unknown names are 404 too.
+    stream = client.completions.create(
+        model=third, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    pieces = [next(stream).choices[0].text]
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": third}).status_code == 200
+    pieces += [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert "".join(pieces) == text(adapters[third][1][0])
     with pytest.raises(openai.NotFoundError):
         complete(third, PROMPTS[0])
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": third}).status_code == 404
