@@ -468,9 +468,12 @@ class DecoderLayers:
         block_tables: torch.Tensor,
         query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
+        lora: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden: `[num_tokens, hidden_size]` embedded tokens -> the final norm's output, same shape and
-        dtype. Metadata as `conveyor.kernels.AttentionMetadata`."""
+        dtype. Metadata as `conveyor.kernels.AttentionMetadata`. lora: (lora_a, lora_b, indices) of the
+        step's adapters: per layer the slots of q/k/v, o, gate/up and down (`add_lora`'s layouts), and
+        each token's slot (-1: the base model); None when no token has an adapter."""
         weights, biases, kinds, out_features = self._linears_for(hidden.shape[0])
         spec = self.spec
         return torch.ops.conveyor_decoder.decoder_layers(
@@ -499,4 +502,5 @@ class DecoderLayers:
             spec.logits_soft_cap,
             spec.residual_multiplier,
             ACTIVATIONS[spec.activation],
+            *(lora or ([], [], None)),
         )

@@ -32,6 +32,11 @@
 
 #include "cpu_kernels.h"
 
+namespace conveyor::lora {  // lora.cpp, in the same library
+at::Tensor add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                    const at::Tensor& indices, at::IntArrayRef output_slices);
+}  // namespace conveyor::lora
+
 namespace {
 
 using at::Tensor;
@@ -161,7 +166,9 @@ Tensor gated_activation(const Tensor& gate_up, int64_t activation) {
 // gate/up, down. sliding_windows[l]: the tokens layer l attends to, 0 for the whole sequence; such a
 // layer rotates with local_cos_sin_cache where one is given. logits_soft_cap: attention scores become
 // cap * tanh(s / cap). residual_multiplier scales each branch before it joins the residual stream
-// (without sandwich norms). activation: kSilu or kGeluTanh.
+// (without sandwich norms). activation: kSilu or kGeluTanh. lora_a, lora_b: per layer the LoRA slots of
+// q/k/v, o, gate/up and down (`4 * num_layers`, lora.cpp's layouts), or none; lora_indices: each token's
+// slot (-1: the base model), given with them: each projection's output then gets its adapters' deltas.
 //
 // Raises the kernels' errors (a position outside the rotary table, a slot outside the cache), and an
 // error for a step with prefill rows when a layer slides or scores are soft-capped.
@@ -173,7 +180,8 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
                       at::TensorList value_caches, const Tensor& slot_mapping, const Tensor& block_tables,
                       const Tensor& query_start_loc, const Tensor& seq_lens, int64_t num_heads,
                       int64_t num_kv_heads, double eps, double scale, at::IntArrayRef sliding_windows,
-                      std::optional<double> logits_soft_cap, double residual_multiplier, int64_t activation) {
+                      std::optional<double> logits_soft_cap, double residual_multiplier, int64_t activation,
+                      at::TensorList lora_a, at::TensorList lora_b, const std::optional<Tensor>& lora_indices) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   const int64_t npl = norms_per_layer;
   const auto count = [](auto list) { return static_cast<int64_t>(list.size()); };
@@ -182,9 +190,10 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
                   (qk_norm_weights.empty() || count(qk_norm_weights) == 2 * num_layers) &&
                   count(linear_weights) == 4 * num_layers && count(linear_biases) == 4 * num_layers &&
                   count(linear_kinds) == 4 * num_layers && count(linear_out_features) == 4 * num_layers &&
-                  count(sliding_windows) == num_layers,
+                  count(sliding_windows) == num_layers &&
+                  (lora_a.empty() || (count(lora_a) == 4 * num_layers && count(lora_b) == 4 * num_layers)),
               "decoder_layers needs 2 or 4 norms, 4 linear layers, a window and one KV cache pair per layer, "
-              "a final norm, and q/k norms for every layer or none");
+              "a final norm, and q/k norms and LoRA slots for every layer or none");
   const int64_t num_tokens = hidden.size(0);
   const int64_t head_dim = key_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -193,8 +202,15 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
   TORCH_CHECK(layout.all_decode || (!windows && !logits_soft_cap.has_value()),
               "a step with prefill rows of a model with sliding windows or soft caps runs the Python layers");
   const Tensor tables = block_tables.contiguous();
+  const bool lora = !lora_a.empty() && lora_indices.has_value() && lora_indices->defined();
   auto proj = [&](const Tensor& x, int64_t i) {
-    return linear(x, linear_weights[i], linear_biases.get(i), linear_kinds[i], linear_out_features[i]);
+    Tensor y = linear(x, linear_weights[i], linear_biases.get(i), linear_kinds[i], linear_out_features[i]);
+    if (!lora) return y;
+    const int64_t out = y.size(1);
+    std::vector<int64_t> slices{out};  // o and down: one slice; q/k/v and gate/up: their parts
+    if (i % 4 == 0) slices = {q_size, kv_size, kv_size};
+    if (i % 4 == 2) slices = {out / 2, out / 2};
+    return conveyor::lora::add_lora(y.contiguous(), x, lora_a[i], lora_b[i], *lora_indices, slices);
   };
   auto head_norm = [&](const Tensor& x, int64_t i, int64_t heads) {
     return conveyor::cpu::rms_norm(x.reshape({-1, head_dim}), qk_norm_weights[i], eps)
@@ -266,6 +282,7 @@ TORCH_LIBRARY(conveyor_decoder, m) {
       "Tensor?[] linear_biases, int[] linear_kinds, int[] linear_out_features, Tensor(a!)[] key_caches, "
       "Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, int[] sliding_windows, "
-      "float? logits_soft_cap, float residual_multiplier, int activation) -> Tensor",
+      "float? logits_soft_cap, float residual_multiplier, int activation, Tensor[] lora_a, Tensor[] lora_b, "
+      "Tensor? lora_indices) -> Tensor",
       &decoder_layers);
 }

@@ -303,6 +303,15 @@ class LoRASlots:
             self.layers.append(wrapped)
         # Resident adapters by uid, least recently used first, and the slot each holds.
         self._slots: OrderedDict[int, int] = OrderedDict()
+        self._slot_tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def slot_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(lora_a, lora_b) of every projection, per layer q/k/v, o, gate/up and down, as the C++ layer
+        loop takes them (a dense model's: every layer has all four)."""
+        if self._slot_tensors is None:  # the buffers are written in place: the lists never change
+            modules = [layer[name] for layer in self.layers for name in FUSED_PROJECTIONS]
+            self._slot_tensors = [m.lora_a for m in modules], [m.lora_b for m in modules]
+        return self._slot_tensors
 
     @property
     def num_bytes(self) -> int:

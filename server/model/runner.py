@@ -211,11 +211,8 @@ class ModelRunner:
         lora_indices = None if inputs.lora_indices is None else inputs.lora_indices.to(dev)
         if self.lora is not None:
             self.lora.context.indices = lora_indices
-        if (
-            self.layer_loop is not None
-            and lora_indices is None  # the C++ layer loop has no LoRA
-            and self.layer_loop.runs(meta.max_query_len)  # reads the metadata
-        ):
+        if self.layer_loop is not None and self.layer_loop.runs(meta.max_query_len):  # reads the metadata
+            lora = None if lora_indices is None else (*self.lora.slot_tensors(), lora_indices)
             hidden = self.layer_loop(
                 self.model.embed(input_ids),
                 positions,
@@ -225,6 +222,7 @@ class ModelRunner:
                 meta.block_tables,
                 meta.query_start_loc,
                 meta.seq_lens,
+                lora,
             )
         else:
             # Once per step, for every layer: what the kernels derive from the metadata (this rank's heads).

@@ -5,7 +5,8 @@ The reference for every adapter is `peft`'s merged model (`merge_and_unload`) in
 transformers' greedy `generate`: the engine's greedy tokens must equal it, token for token, with
 adapters and the base model mixed in one batch, under `--max-loras 2` with five adapters (slots and
 the CPU cache evicting), and after prefixes were cached under other adapters. The HTTP tests run a real
-uvicorn server and the `openai` client.
+uvicorn server and the `openai` client. The engines run the C++ kernels and layer loop, and one the torch reference's Python
+layers.
 """
 
 from __future__ import annotations
@@ -136,6 +137,27 @@ def test_four_adapters_and_the_base_model_in_one_batch_match_peft(adapters, base
     again, _ = _run(engine, [(names[1], long_prompt), (None, long_prompt), (names[0], long_prompt)])
     assert first == [adapters[names[0]][1][1]]
     assert again == [adapters[names[1]][1][1], base_tokens[1], adapters[names[0]][1][1]]
+
+
+def test_the_python_layers_with_the_reference_kernels_match_peft_too(adapters, base_tokens, tokenizer):
+    """The tests above run the C++ layer loop (it adds the deltas itself); the torch backend runs the
+    model's Python layers, whose `LoRALinear`s call the reference `add_lora`."""
+    from conveyor.server.config import DeviceConfig, LoRAConfig
+    from conveyor.server.engine.builder import build_engine
+
+    names = ["all-r8", "ko-r2-rslora"]
+    config = engine_config().model_copy(
+        update={
+            "device": DeviceConfig(attention_backend="torch"),
+            "lora": LoRAConfig(
+                enable_lora=True, lora_modules=[f"{n}={adapters[n][0]}" for n in names], max_loras=2
+            ),
+        }
+    )
+    engine = build_engine(config)
+    assert engine.runner.layer_loop is None
+    tokens, _ = _run(engine, [(None, tokenizer(PROMPTS[0]))] + [(n, tokenizer(PROMPTS[0])) for n in names])
+    assert tokens == [base_tokens[0]] + [adapters[n][1][0] for n in names]
 
 
 def test_prefix_cache_hits_only_under_the_same_adapter(adapters, tokenizer):
