@@ -135,6 +135,7 @@ class KernelBackend(Protocol):
         lora_b: torch.Tensor,
         indices: torch.Tensor,
         output_slices: tuple[int, ...] | None = None,
+        slot_ranks: list[int] | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -292,14 +292,15 @@ def add_lora(
     lora_b: torch.Tensor,
     indices: torch.Tensor,
     output_slices: tuple[int, ...] | None = None,
+    slot_ranks: list[int] | None = None,
 ) -> torch.Tensor:
     """See `conveyor.kernels.reference.add_lora`: `csrc/lora.cpp` (rows sorted by adapter, each active
-    adapter's A and B streamed once for its rows, threads over adapters and rows or columns) for float32
-    and bfloat16; the reference for other dtypes."""
+    adapter's A and B streamed once for its rows up to its slot's rank, threads over adapters and rows or
+    columns) for float32 and bfloat16; the reference for other dtypes."""
     if y.dtype not in (torch.float32, torch.bfloat16) or not y.is_contiguous():
-        return reference.add_lora(y, x, lora_a, lora_b, indices, output_slices)
+        return reference.add_lora(y, x, lora_a, lora_b, indices, output_slices, slot_ranks)
     slices = list(output_slices or (y.shape[1],))
-    return torch.ops.conveyor_lora.add_lora(y, x, lora_a, lora_b, indices, slices)
+    return torch.ops.conveyor_lora.add_lora(y, x, lora_a, lora_b, indices, slices, list(slot_ranks or ()))
 
 
 class CPULinear(nn.Module):
@@ -468,12 +469,13 @@ class DecoderLayers:
         block_tables: torch.Tensor,
         query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
-        lora: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor] | None = None,
+        lora: tuple[list[torch.Tensor], list[torch.Tensor], list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden: `[num_tokens, hidden_size]` embedded tokens -> the final norm's output, same shape and
-        dtype. Metadata as `conveyor.kernels.AttentionMetadata`. lora: (lora_a, lora_b, indices) of the
-        step's adapters: per layer the slots of q/k/v, o, gate/up and down (`add_lora`'s layouts), and
-        each token's slot (-1: the base model); None when no token has an adapter."""
+        dtype. Metadata as `conveyor.kernels.AttentionMetadata`. lora: (lora_a, lora_b, slot ranks,
+        indices) of the step's adapters: per layer the slots of q/k/v, o, gate/up and down (`add_lora`'s
+        layouts), every projection's slot ranks one after another (0: not adapted), and each token's slot
+        (-1: the base model); None when no token has an adapter."""
         weights, biases, kinds, out_features = self._linears_for(hidden.shape[0])
         spec = self.spec
         return torch.ops.conveyor_decoder.decoder_layers(
@@ -502,5 +504,5 @@ class DecoderLayers:
             spec.logits_soft_cap,
             spec.residual_multiplier,
             ACTIVATIONS[spec.activation],
-            *(lora or ([], [], None)),
+            *(lora or ([], [], [], None)),
         )

@@ -545,6 +545,7 @@ def add_lora(
     lora_b: torch.Tensor,
     indices: torch.Tensor,
     output_slices: tuple[int, ...] | None = None,
+    slot_ranks: list[int] | None = None,
 ) -> torch.Tensor:
     """The LoRA deltas of many adapters in one batch (Hu et al. 2021): for each token row t with
     `i = indices[t] >= 0`, `y[t] += B_i (A_i x[t])`; rows with `indices[t] < 0` (the base model's) are
@@ -556,7 +557,8 @@ def add_lora(
     lora_b holds every B transposed side by side, `[num_slots, R, out_features]`, so output column c of
     slice s is `sum_r mid[s * R + r] * lora_b[i, r, c]` (no zero blocks, and the expand reads B along
     its output columns). The LoRA scaling (`lora_alpha / r`) is folded into lora_b by the caller; an
-    adapter of rank below R has zeros past its rank.
+    adapter of rank below R has zeros past its rank, which `slot_ranks` (each slot's rank, 0 for a slot
+    whose adapter does not adapt this projection; None: R each) lets a backend skip: the sum is the same.
 
     The rows are sorted by adapter, so each adapter the step uses runs one shrink and one expand over
     all its rows (the segmented form of Punica's SGMV, Chen et al. 2023). y: `[num_tokens,
@@ -574,6 +576,9 @@ def add_lora(
         if count == 0:
             continue
         rows = order[start : start + count]
+        start += count
+        if slot_ranks is not None and slot_ranks[slot] == 0:
+            continue
         mid = F.linear(x[rows].float(), lora_a[slot].float())  # [rows, S * R]
         b = lora_b[slot].float()
         delta = torch.cat(
@@ -581,5 +586,4 @@ def add_lora(
             dim=1,
         )
         y[rows] = (y[rows].float() + delta).to(y.dtype)
-        start += count
     return y

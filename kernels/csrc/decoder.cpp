@@ -34,7 +34,7 @@
 
 namespace conveyor::lora {  // lora.cpp, in the same library
 at::Tensor add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                    const at::Tensor& indices, at::IntArrayRef output_slices);
+                    const at::Tensor& indices, at::IntArrayRef output_slices, at::IntArrayRef slot_ranks);
 }  // namespace conveyor::lora
 
 namespace {
@@ -167,8 +167,9 @@ Tensor gated_activation(const Tensor& gate_up, int64_t activation) {
 // layer rotates with local_cos_sin_cache where one is given. logits_soft_cap: attention scores become
 // cap * tanh(s / cap). residual_multiplier scales each branch before it joins the residual stream
 // (without sandwich norms). activation: kSilu or kGeluTanh. lora_a, lora_b: per layer the LoRA slots of
-// q/k/v, o, gate/up and down (`4 * num_layers`, lora.cpp's layouts), or none; lora_indices: each token's
-// slot (-1: the base model), given with them: each projection's output then gets its adapters' deltas.
+// q/k/v, o, gate/up and down (`4 * num_layers`, lora.cpp's layouts), or none; lora_ranks: each of their
+// slots' ranks, projection by projection (0: the slot's adapter does not adapt it); lora_indices: each
+// token's slot (-1: the base model), given with them: each projection's output gets its adapters' deltas.
 //
 // Raises the kernels' errors (a position outside the rotary table, a slot outside the cache), and an
 // error for a step with prefill rows when a layer slides or scores are soft-capped.
@@ -181,7 +182,8 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
                       const Tensor& query_start_loc, const Tensor& seq_lens, int64_t num_heads,
                       int64_t num_kv_heads, double eps, double scale, at::IntArrayRef sliding_windows,
                       std::optional<double> logits_soft_cap, double residual_multiplier, int64_t activation,
-                      at::TensorList lora_a, at::TensorList lora_b, const std::optional<Tensor>& lora_indices) {
+                      at::TensorList lora_a, at::TensorList lora_b, at::IntArrayRef lora_ranks,
+                      const std::optional<Tensor>& lora_indices) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   const int64_t npl = norms_per_layer;
   const auto count = [](auto list) { return static_cast<int64_t>(list.size()); };
@@ -210,7 +212,9 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
     std::vector<int64_t> slices{out};  // o and down: one slice; q/k/v and gate/up: their parts
     if (i % 4 == 0) slices = {q_size, kv_size, kv_size};
     if (i % 4 == 2) slices = {out / 2, out / 2};
-    return conveyor::lora::add_lora(y.contiguous(), x, lora_a[i], lora_b[i], *lora_indices, slices);
+    const int64_t slots = lora_a[i].size(0);
+    return conveyor::lora::add_lora(y.contiguous(), x, lora_a[i], lora_b[i], *lora_indices, slices,
+                                    lora_ranks.slice(i * slots, slots));
   };
   auto head_norm = [&](const Tensor& x, int64_t i, int64_t heads) {
     return conveyor::cpu::rms_norm(x.reshape({-1, head_dim}), qk_norm_weights[i], eps)
@@ -283,6 +287,6 @@ TORCH_LIBRARY(conveyor_decoder, m) {
       "Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, int[] sliding_windows, "
       "float? logits_soft_cap, float residual_multiplier, int activation, Tensor[] lora_a, Tensor[] lora_b, "
-      "Tensor? lora_indices) -> Tensor",
+      "int[] lora_ranks, Tensor? lora_indices) -> Tensor",
       &decoder_layers);
 }

@@ -57,7 +57,7 @@ inline void axpy(float m, const T* b, float* acc, int64_t n) {
 
 template <typename T>
 void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b, const Tensor& indices,
-                    const std::vector<int64_t>& slices) {
+                    const std::vector<int64_t>& slices, const std::vector<int64_t>& ranks) {
   const int64_t num_tokens = x.size(0), in_features = x.size(1), out_features = y.size(1);
   const int64_t num_slots = lora_a.size(0), stacked = lora_a.size(1), rank = lora_b.size(1);
   const int64_t* index = indices.data_ptr<int64_t>();
@@ -86,16 +86,24 @@ void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tens
   for (int64_t s = 0; s < num_rows; ++s) x_rows[s] = x_data + sorted_row[s] * in_features;
 
   // 1. shrink: mid[s, k] = A[a, k] . x[row s], k < S * R.
-  std::vector<float> mid(num_rows * stacked);
-  std::vector<std::pair<int64_t, int64_t>> shrink_items;
+  // A slot's rows past its rank are zero: neither read nor multiplied (mid stays 0 there).
+  std::vector<float> mid(num_rows * stacked, 0.0f);
+  struct Rows {
+    int64_t adapter, first, last;
+  };
+  std::vector<Rows> shrink_items;
   for (int64_t a = 0; a < num_slots; ++a) {
     if (start[a + 1] == start[a]) continue;
-    for (int64_t k = 0; k < stacked; k += kRowsPerItem) shrink_items.emplace_back(a, k);
+    for (size_t s = 0; s < slices.size(); ++s) {
+      const int64_t base = static_cast<int64_t>(s) * rank;
+      for (int64_t k = 0; k < ranks[a]; k += kRowsPerItem) {
+        shrink_items.push_back({a, base + k, base + std::min(ranks[a], k + kRowsPerItem)});
+      }
+    }
   }
   at::parallel_for(0, static_cast<int64_t>(shrink_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const auto [a, k0] = shrink_items[item];
-      const int64_t k1 = std::min(stacked, k0 + kRowsPerItem);
+      const auto [a, k0, k1] = shrink_items[item];
       const int64_t first = start[a], count = start[a + 1] - first;
       rows_times_pairs(a_data + a * stacked * in_features, in_features, k0, k1, x_rows.data() + first, count,
                        mid.data() + first * stacked + k0, stacked);
@@ -109,7 +117,7 @@ void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tens
   };
   std::vector<Block> blocks;
   for (int64_t a = 0; a < num_slots; ++a) {
-    if (start[a + 1] == start[a]) continue;
+    if (start[a + 1] == start[a] || ranks[a] == 0) continue;
     int64_t offset = 0;
     for (size_t s = 0; s < slices.size(); ++s) {
       for (int64_t c = 0; c < slices[s]; c += kColsPerItem) {
@@ -127,7 +135,7 @@ void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tens
         T* out = y_data + sorted_row[p] * out_features + block.first_col;
         for (int64_t c = 0; c < block.cols; ++c) acc[c] = static_cast<float>(out[c]);
         const float* m = mid.data() + p * stacked + block.slice * rank;
-        for (int64_t r = 0; r < rank; ++r) axpy(m[r], b + r * out_features, acc, block.cols);
+        for (int64_t r = 0; r < ranks[block.adapter]; ++r) axpy(m[r], b + r * out_features, acc, block.cols);
         for (int64_t c = 0; c < block.cols; ++c) out[c] = static_cast<T>(acc[c]);
       }
     }
@@ -135,10 +143,11 @@ void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tens
 }
 
 // See `conveyor.kernels.reference.add_lora`. y [T, out], x [T, in], lora_a [L, S * R, in], lora_b [L, R, out]:
-// one dtype, float32 or bfloat16; indices [T] int64 in [-1, L); output_slices: S widths summing to out.
-// y is updated in place and returned.
+// one dtype, float32 or bfloat16; indices [T] int64 in [-1, L); output_slices: S widths summing to out;
+// slot_ranks: L ranks in [0, R] (rows past them are zero and skipped), or empty for R each. y is updated
+// in place and returned.
 Tensor add_lora(Tensor y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b, const Tensor& indices,
-                at::IntArrayRef output_slices) {
+                at::IntArrayRef output_slices, at::IntArrayRef slot_ranks) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3,
               "add_lora: y and x are 2-D, lora_a and lora_b 3-D");
   TORCH_CHECK(x.size(0) == y.size(0) && indices.numel() == x.size(0),
@@ -155,14 +164,18 @@ Tensor add_lora(Tensor y, const Tensor& x, const Tensor& lora_a, const Tensor& l
                   lora_a.scalar_type() == lora_b.scalar_type(),
               "add_lora: y, x, lora_a and lora_b share one dtype");
   TORCH_CHECK(y.is_contiguous(), "add_lora: y is updated in place and must be contiguous");
+  std::vector<int64_t> ranks(slot_ranks.begin(), slot_ranks.end());
+  if (ranks.empty()) ranks.assign(lora_a.size(0), lora_b.size(1));
+  TORCH_CHECK(static_cast<int64_t>(ranks.size()) == lora_a.size(0), "add_lora: one rank per slot");
+  for (const int64_t r : ranks) TORCH_CHECK(r >= 0 && r <= lora_b.size(1), "add_lora: a slot rank ", r, " outside [0, ", lora_b.size(1), "]");
   const Tensor xc = x.contiguous(), a = lora_a.contiguous(), b = lora_b.contiguous();
   const Tensor index = indices.to(at::kLong).contiguous();
   switch (y.scalar_type()) {
     case at::kFloat:
-      add_lora_typed<float>(y, xc, a, b, index, slices);
+      add_lora_typed<float>(y, xc, a, b, index, slices, ranks);
       break;
     case at::kBFloat16:
-      add_lora_typed<c10::BFloat16>(y, xc, a, b, index, slices);
+      add_lora_typed<c10::BFloat16>(y, xc, a, b, index, slices, ranks);
       break;
     default:
       TORCH_CHECK(false, "add_lora: float32 or bfloat16, not ", y.scalar_type());
@@ -173,7 +186,7 @@ Tensor add_lora(Tensor y, const Tensor& x, const Tensor& lora_a, const Tensor& l
 }  // namespace conveyor::lora
 
 CONVEYOR_LIBRARY(CONVEYOR_LORA_NAMESPACE, m) {
-  m.def("add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor indices, int[] output_slices) -> "
-        "Tensor(a!)",
+  m.def("add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor indices, int[] output_slices, "
+        "int[] slot_ranks) -> Tensor(a!)",
         &conveyor::lora::add_lora);
 }

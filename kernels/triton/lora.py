@@ -96,8 +96,10 @@ def add_lora(
     lora_b: torch.Tensor,
     indices: torch.Tensor,
     output_slices: tuple[int, ...] | None = None,
+    slot_ranks: list[int] | None = None,
 ) -> torch.Tensor:
-    """See `conveyor.kernels.reference.add_lora` (same shapes; y updated in place and returned).
+    """See `conveyor.kernels.reference.add_lora` (same shapes; y updated in place and returned). Reads
+    every slot to R (`slot_ranks` is not used: the rows past a slot's rank are zero).
 
     Raises ValueError when y's or x's rows are strided, or the shapes do not match."""
     num_tokens, k = x.shape

@@ -235,18 +235,23 @@ class LoRALinear(nn.Module):
         )
         self.ops = ops
         self.context = context
+        # Each slot's adapter rank on this projection (0: free, or its adapter does not adapt it).
+        self.slot_ranks = [0] * max_loras
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         indices = self.context.indices
         if indices is None:
             return y
-        return self.ops.add_lora(y.contiguous(), x, self.lora_a, self.lora_b, indices, self.slice_widths)
+        return self.ops.add_lora(
+            y.contiguous(), x, self.lora_a, self.lora_b, indices, self.slice_widths, self.slot_ranks
+        )
 
     def write(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Put one adapter's (A, B) per slice (None: the slice is not adapted) into `slot`."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = max((pair[0].shape[0] for pair in pairs if pair is not None), default=0)
         offset = 0
         for i, (width, pair) in enumerate(zip(self.slice_widths, pairs, strict=True)):
             if pair is not None:
@@ -305,13 +310,13 @@ class LoRASlots:
         self._slots: OrderedDict[int, int] = OrderedDict()
         self._slot_tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
-    def slot_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(lora_a, lora_b) of every projection, per layer q/k/v, o, gate/up and down, as the C++ layer
-        loop takes them (a dense model's: every layer has all four)."""
+    def loop_arguments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """(lora_a, lora_b, slot ranks) of every projection, per layer q/k/v, o, gate/up and down, as the
+        C++ layer loop takes them (a dense model's: every layer has all four)."""
+        modules = [layer[name] for layer in self.layers for name in FUSED_PROJECTIONS]
         if self._slot_tensors is None:  # the buffers are written in place: the lists never change
-            modules = [layer[name] for layer in self.layers for name in FUSED_PROJECTIONS]
             self._slot_tensors = [m.lora_a for m in modules], [m.lora_b for m in modules]
-        return self._slot_tensors
+        return *self._slot_tensors, [r for m in modules for r in m.slot_ranks]
 
     @property
     def num_bytes(self) -> int:

@@ -212,7 +212,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.context.indices = lora_indices
         if self.layer_loop is not None and self.layer_loop.runs(meta.max_query_len):  # reads the metadata
-            lora = None if lora_indices is None else (*self.lora.slot_tensors(), lora_indices)
+            lora = None if lora_indices is None else (*self.lora.loop_arguments(), lora_indices)
             hidden = self.layer_loop(
                 self.model.embed(input_ids),
                 positions,

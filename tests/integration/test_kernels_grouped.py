@@ -73,7 +73,7 @@ def test_fused_moe_refuses_an_expert_id_outside_the_experts(fused_moe):
 def test_add_lora_matches_the_reference(add_lora, case, dtype):
     y, x, lora_a, lora_b, indices, slices = lora_case(*case, dtype)
     expected = ref.add_lora(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), indices, slices)
-    out = add_lora(y, x, lora_a, lora_b, indices, list(slices))
+    out = add_lora(y, x, lora_a, lora_b, indices, list(slices), [])
     assert out.data_ptr() == y.data_ptr()
     torch.testing.assert_close(out.float(), expected, **_tol(dtype))
 
@@ -81,4 +81,27 @@ def test_add_lora_matches_the_reference(add_lora, case, dtype):
 def test_add_lora_refuses_a_slot_outside_the_slots(add_lora):
     y, x, lora_a, lora_b, indices, slices = lora_case(*LORA_CASES[0], torch.float32)
     with pytest.raises(RuntimeError, match="adapter index 4 outside"):
-        add_lora(y, x, lora_a, lora_b, torch.full_like(indices, 4), list(slices))
+        add_lora(y, x, lora_a, lora_b, torch.full_like(indices, 4), list(slices), [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_lora_reads_no_row_past_a_slots_rank(add_lora, dtype):
+    """Slots of ranks 16, 5, 0 (an adapter that does not adapt this projection) and 1 in R = 16: rows
+    past each rank hold NaN, which the result would show if they were read."""
+    y, x, lora_a, lora_b, indices, slices = lora_case(*LORA_CASES[0], dtype)
+    ranks, rank = [16, 5, 0, 1], lora_b.shape[1]
+    for slot, r in enumerate(ranks):
+        for s in range(len(slices)):
+            lora_a[slot, s * rank + r : (s + 1) * rank] = float("nan")
+        lora_b[slot, r:] = float("nan")
+    zeroed_a, zeroed_b = lora_a.float().nan_to_num(0.0), lora_b.float().nan_to_num(0.0)
+    base_rows = (indices < 0) | (indices == 2)
+    expected = ref.add_lora(y.float().clone(), x.float(), zeroed_a, zeroed_b, indices, slices)
+    before = y.clone()
+    out = add_lora(y, x, lora_a, lora_b, indices, list(slices), ranks)
+    assert torch.equal(out[base_rows], before[base_rows])
+    torch.testing.assert_close(out.float(), expected, **_tol(dtype))
+    assert torch.equal(
+        ref.add_lora(before.clone(), x, lora_a, lora_b, indices, slices, ranks)[indices == 2],
+        before[indices == 2],
+    )
