@@ -134,20 +134,20 @@ def parse_lora_module(value: str) -> LoRAModule:
         try:
             entry = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--lora-modules entry {value!r} is not valid JSON: {exc}") from None
+            raise ValueError(f"entry {value!r} is not valid JSON: {exc}") from None
         if (
             not isinstance(entry, dict)
             or not isinstance(entry.get("name"), str)
             or not isinstance(entry.get("path"), str)
         ):
-            raise ValueError(f'--lora-modules entry {value!r} must have string "name" and "path" keys')
+            raise ValueError(f'entry {value!r} must have string "name" and "path" keys')
         name, path = entry["name"], entry["path"]
     else:
         name, sep, path = value.partition("=")
         if not sep:
-            raise ValueError(f"--lora-modules entry {value!r} must be name=path or a JSON object")
+            raise ValueError(f"entry {value!r} must be name=path or a JSON object")
     if not name.strip() or not path.strip():
-        raise ValueError(f"--lora-modules entry {value!r} needs a non-empty name and path")
+        raise ValueError(f"entry {value!r} needs a non-empty name and path")
     return LoRAModule(name.strip(), path.strip())
 
 
@@ -176,7 +176,7 @@ class LoRAConfig(_Config):
         names = [parse_lora_module(entry).name for entry in value or ()]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"--lora-modules names {duplicates} more than once")
+            raise ValueError(f"names {duplicates} more than once")
         return value
 
     @model_validator(mode="after")
@@ -270,4 +270,12 @@ class EngineConfig(_Config):
     def _prompt_fits_step(self) -> EngineConfig:
         if self.model.max_model_len is not None:
             check_prompt_fits_step(self.scheduler, self.model.max_model_len)
+        return self
+
+    @model_validator(mode="after")
+    def _lora_runs(self) -> EngineConfig:
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora runs on one rank: use --tensor-parallel-size 1")
+        if self.lora.enable_lora and self.model.model_impl == "transformers":
+            raise ValueError("--enable-lora runs on conveyor's own decoder: use --model-impl native or auto")
         return self

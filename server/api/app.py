@@ -169,13 +169,16 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         chat_serving.check_model(model)
         return next(c for c in cards() if c["id"] == model)
 
+    if config.allow_runtime_lora_updating and not engine.lora_enabled:
+        logger.warning("--allow-runtime-lora-updating has no effect without --enable-lora")
+
     def check_lora_updating() -> None:
         if not config.allow_runtime_lora_updating:
             raise APIError(
                 404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating"
             )
         if not engine.lora_enabled:
-            raise APIError(400, "LoRA is off: start the server with --enable-lora", "lora_name")
+            raise APIError(404, "LoRA is off: start the server with --enable-lora")
 
     lora_responses = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 

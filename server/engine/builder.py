@@ -213,7 +213,7 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegi
         return None
     slots = runner.enable_lora(lc.max_loras, lc.max_lora_rank)
     logger.info(
-        "LoRA: %d adapter slots of rank %d (%.1f MiB), %d adapters kept in CPU memory",
+        "LoRA: --max-loras %d slots of --max-lora-rank %d (%.1f MiB); --max-cpu-loras %d",
         lc.max_loras,
         lc.max_lora_rank,
         slots.num_bytes / (1 << 20),

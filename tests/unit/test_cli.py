@@ -52,6 +52,24 @@ def test_check_serve_args_refuses_abbreviations_and_unknown_flags() -> None:
     )
     assert check_serve_args(["--scheduling", "static", "--max-model-len", "4096"]) is not None
     assert check_serve_args(["--scheduling", "static", "--max-model-len", "2048"]) is None
+    # LoRA: both --lora-modules forms parse, bad entries and flag combinations are refused by name.
+    assert (
+        check_serve_args(["--enable-lora", "--lora-modules", "a=/p", '{"name": "b", "path": "/q"}']) is None
+    )
+    assert check_serve_args(["--lora-modules", "a=/p"]) == "--lora-modules needs --enable-lora"
+    assert check_serve_args(["--enable-lora", "--lora-modules", "garbage"]) == (
+        "--lora-modules: entry 'garbage' must be name=path or a JSON object"
+    )
+    assert check_serve_args(["--enable-lora", "--lora-modules", "a=/p", "a=/q"]) == (
+        "--lora-modules: names ['a'] more than once"
+    )
+    assert check_serve_args(["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"]) == (
+        "--max-cpu-loras 1 must be at least --max-loras 2"
+    )
+    assert check_serve_args(["--enable-lora", "--tensor-parallel-size", "2"]) == (
+        "--enable-lora runs on one rank: use --tensor-parallel-size 1"
+    )
+    assert "--model-impl native" in check_serve_args(["--enable-lora", "--model-impl", "transformers"])
 
 
 def _other_value(info):
@@ -87,12 +105,16 @@ def test_serve_argv_renders_every_field_so_that_serve_parses_it_back() -> None:
     def changed(model):
         return model(**{name: _other_value(info) for name, info in model.model_fields.items()})
 
-    engine = EngineConfig(**{name: changed(group) for name, group in _ENGINE_GROUPS.items()})
-    server = changed(ServerConfig)
-    argv = serve_argv(engine, server)
-    assert argv[0] == "some-value"  # the model, positional
-    settings = parse_serve_argv(argv)
-    assert settings.engine.model_dump() == engine.model_dump()
-    assert settings.server.model_dump() == server.model_dump()
+    # LoRA runs on one rank: the changed tensor-parallel size and the changed LoRA group go separately.
+    for apart in ("parallel", "lora"):
+        engine = EngineConfig(
+            **{name: changed(group) for name, group in _ENGINE_GROUPS.items() if name != apart}
+        )
+        server = changed(ServerConfig)
+        argv = serve_argv(engine, server)
+        assert argv[0] == "some-value"  # the model, positional
+        settings = parse_serve_argv(argv)
+        assert settings.engine.model_dump() == engine.model_dump()
+        assert settings.server.model_dump() == server.model_dump()
     # Unset fields are not rendered: the server applies its own defaults.
     assert serve_argv(EngineConfig(), ServerConfig()) == []
