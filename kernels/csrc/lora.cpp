@@ -8,10 +8,10 @@
 // Two passes, each one at::parallel_for over work items:
 //   1. shrink, items (adapter, 16 rows of A): A's rows dotted with each of the adapter's token rows
 //      (grouped.h's tiles) -> mid[row, k] (float32);
-//   2. expand, items (adapter, 64 output columns within one slice): for each token row, the columns'
-//      float32 sums start from y, take `mid[row, slice * R + r] * B[r, columns]` for r < R (vector
-//      multiply-adds along the columns, B's block staying in cache across the adapter's rows), and are
-//      rounded once to y's dtype.
+//   2. expand, items (adapter, 64 output columns within one slice): for each pair of token rows, the
+//      columns' float32 sums start from y, take `mid[row, slice * R + r] * B[r, columns]` for r below the
+//      slot's rank (tiles of 4 vectors of columns kept in registers over r, each B vector serving both
+//      rows; B's block stays in cache across the adapter's rows), and are rounded once to y's dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,6 +53,52 @@ inline void axpy(float m, const T* b, float* acc, int64_t n) {
   }
 #endif
   for (; c < n; ++c) acc[c] += m * static_cast<float>(b[c]);
+}
+
+#if defined(CONVEYOR_SIMD_VECTOR)
+constexpr int kTileVecs = 4;  // vectors of output columns per expand tile, kept in registers over r
+
+// acc[t][c] += sum_r m[t][r] * b[r * stride + c] for the tile's kTileVecs * kLanes columns and C token rows:
+// each B vector loaded once per r serves the C rows, and the sums stay in registers.
+template <int C, typename T>
+inline void expand_tile(const T* b, int64_t stride, const float* const* m, int64_t rank, float* const* acc) {
+  Simd::Vec sum[C][kTileVecs];
+  for (int t = 0; t < C; ++t) {
+    for (int v = 0; v < kTileVecs; ++v) sum[t][v] = Simd::load(acc[t] + v * Simd::kLanes);
+  }
+  for (int64_t r = 0; r < rank; ++r) {
+    Simd::Vec bv[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) bv[v] = Simd::load(b + r * stride + v * Simd::kLanes);
+    for (int t = 0; t < C; ++t) {
+      const Simd::Vec mv = Simd::set1(m[t][r]);
+      for (int v = 0; v < kTileVecs; ++v) sum[t][v] = Simd::fmadd(mv, bv[v], sum[t][v]);
+    }
+  }
+  for (int t = 0; t < C; ++t) {
+    for (int v = 0; v < kTileVecs; ++v) Simd::store(acc[t] + v * Simd::kLanes, sum[t][v]);
+  }
+}
+#endif
+
+// acc[t][c] += sum_r m[t][r] * b[r * stride + c] for c < cols and C (1 or 2) token rows.
+template <int C, typename T>
+inline void expand_rows(const T* b, int64_t stride, const float* const* m, int64_t rank, float* const* acc,
+                        int64_t cols) {
+  int64_t c = 0;
+#if defined(CONVEYOR_SIMD_VECTOR)
+  if constexpr (simd::kVectorType<T>) {
+    constexpr int64_t tile = kTileVecs * Simd::kLanes;
+    for (; c + tile <= cols; c += tile) {
+      const float* ms[C];
+      float* accs[C];
+      for (int t = 0; t < C; ++t) ms[t] = m[t], accs[t] = acc[t] + c;
+      expand_tile<C>(b + c, stride, ms, rank, accs);
+    }
+  }
+#endif
+  for (int t = 0; t < C; ++t) {
+    for (int64_t r = 0; r < rank; ++r) axpy(m[t][r], b + r * stride + c, acc[t] + c, cols - c);
+  }
 }
 
 template <typename T>
@@ -127,16 +173,29 @@ void add_lora_typed(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tens
     }
   }
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-    float acc[kColsPerItem];
+    float acc[2][kColsPerItem];
     for (int64_t item = begin; item < end; ++item) {
       const Block& block = blocks[item];
       const T* b = b_data + block.adapter * rank * out_features + block.first_col;
-      for (int64_t p = start[block.adapter]; p < start[block.adapter + 1]; ++p) {
-        T* out = y_data + sorted_row[p] * out_features + block.first_col;
-        for (int64_t c = 0; c < block.cols; ++c) acc[c] = static_cast<float>(out[c]);
-        const float* m = mid.data() + p * stacked + block.slice * rank;
-        for (int64_t r = 0; r < ranks[block.adapter]; ++r) axpy(m[r], b + r * out_features, acc, block.cols);
-        for (int64_t c = 0; c < block.cols; ++c) out[c] = static_cast<T>(acc[c]);
+      const int64_t last = start[block.adapter + 1];
+      for (int64_t p = start[block.adapter]; p < last; p += 2) {  // two token rows per B read
+        const int rows = p + 1 < last ? 2 : 1;
+        T* out[2];
+        const float* m[2];
+        float* accs[2] = {acc[0], acc[1]};
+        for (int t = 0; t < rows; ++t) {
+          out[t] = y_data + sorted_row[p + t] * out_features + block.first_col;
+          m[t] = mid.data() + (p + t) * stacked + block.slice * rank;
+          for (int64_t c = 0; c < block.cols; ++c) acc[t][c] = static_cast<float>(out[t][c]);
+        }
+        if (rows == 2) {
+          expand_rows<2>(b, out_features, m, ranks[block.adapter], accs, block.cols);
+        } else {
+          expand_rows<1>(b, out_features, m, ranks[block.adapter], accs, block.cols);
+        }
+        for (int t = 0; t < rows; ++t) {
+          for (int64_t c = 0; c < block.cols; ++c) out[t][c] = static_cast<T>(acc[t][c]);
+        }
       }
     }
   });
