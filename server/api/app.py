@@ -181,8 +181,15 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
             raise APIError(404, "LoRA is off: start the server with --enable-lora")
 
     lora_responses = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+    # In /openapi.json only where they serve (vLLM registers them only then): elsewhere they answer 404.
+    lora_updates = config.allow_runtime_lora_updating and engine.lora_enabled
 
-    @app.post("/v1/load_lora_adapter", response_class=Response, responses={**lora_responses, **plain})
+    @app.post(
+        "/v1/load_lora_adapter",
+        response_class=Response,
+        responses={**lora_responses, **plain},
+        include_in_schema=lora_updates,
+    )
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
         """Serve another adapter (`--allow-runtime-lora-updating`). 400 when it cannot be served (a bad
         path, a rank above --max-lora-rank, another base model's adapter, a name already served)."""
@@ -198,7 +205,12 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
             f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain"
         )
 
-    @app.post("/v1/unload_lora_adapter", response_class=Response, responses={**lora_responses, **plain})
+    @app.post(
+        "/v1/unload_lora_adapter",
+        response_class=Response,
+        responses={**lora_responses, **plain},
+        include_in_schema=lora_updates,
+    )
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
         """Stop serving an adapter (`--allow-runtime-lora-updating`): new requests naming it get 404;
         requests already running under it finish with it. 404 for a name not served."""
