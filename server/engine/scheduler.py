@@ -121,8 +121,9 @@ class Scheduler:
             len(schedule.preempted),
             prefix.queries,
             prefix.hits,
-            running_lora_adapters=_adapter_names(self.running),
-            waiting_lora_adapters=_adapter_names(self.waiting),
+            # Walks every waiting request: only where adapters can be running at all.
+            running_lora_adapters=_adapter_names(self.running) if self.max_loras else (),
+            waiting_lora_adapters=_adapter_names(self.waiting) if self.max_loras else (),
         )
 
     def abort_request(self, request_id: str) -> Request | None:
