@@ -22,6 +22,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in params.stop if s]
+        self.min_tokens = params.min_tokens
+        self.num_output = 0
         self.include_stop = params.include_stop_str_in_output
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -34,11 +36,14 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update(self, new_token_ids: list[int]) -> bool:
-        """Add tokens; returns True when a stop string was found (the text is then final)."""
+        """Add output tokens; returns True when a stop string was found (the text is then final). Stop
+        strings count only in text that comes after `min_tokens` output tokens (vLLM's rule: the first
+        `min_tokens` tokens may contain them)."""
         for token_id in new_token_ids:
             if self.stopped:
                 break
             self.token_ids.append(token_id)
+            self.num_output += 1
             prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
             text = self._decode(self.token_ids[self.prefix_offset :])
             if len(text) <= len(prefix) or text.endswith("\ufffd"):
@@ -47,7 +52,8 @@ class IncrementalDetokenizer:
             self.output_text += text[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
-            self._check_stop(before)
+            if self.num_output > self.min_tokens:
+                self._check_stop(before)
         return self.stopped
 
     def _check_stop(self, old_len: int) -> None:
