@@ -167,7 +167,8 @@ def metrics_page() -> str:
     from conveyor.server.messages import EngineLimits
     from conveyor.server.router.metrics import RouterMetrics
 
-    limits = EngineLimits(  # a mixture-of-experts model's with LoRA, so those series are listed too
+    # A mixture-of-experts model's with LoRA and speculative decoding, so those series are listed too.
+    limits = EngineLimits(
         block_size=16,
         num_kv_blocks=1,
         max_num_seqs=1,
@@ -176,6 +177,7 @@ def metrics_page() -> str:
         num_experts=1,
         sparse_layers=(0,),
         max_loras=1,
+        num_speculative_tokens=2,
     )
     sections = [
         (

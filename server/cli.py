@@ -33,6 +33,7 @@ from conveyor.server.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
 )
 
 # Subcommands implemented in other modules: name -> ("module:function(argv) -> int", help).
@@ -58,6 +59,7 @@ _ENGINE_GROUPS: dict[str, type[BaseModel]] = {
     "parallel": ParallelConfig,
     "device": DeviceConfig,
     "lora": LoRAConfig,
+    "speculative": SpeculativeConfig,
 }
 _SERVE_GROUPS: dict[str, type[BaseModel]] = {**_ENGINE_GROUPS, "server": ServerConfig}
 

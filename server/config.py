@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 GiB = 1 << 30
 
@@ -200,6 +200,76 @@ class LoRAConfig(_Config):
         return self.max_cpu_loras or self.max_loras
 
 
+class SpeculativeMethod(_Config):
+    """The JSON object of `--speculative-config` (vLLM's keys). `ngram`: prompt lookup (Saxena, 2023;
+    vLLM's `[ngram]`): the draft is the `num_speculative_tokens` tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`."""
+
+    method: Literal["ngram"] = Field(description="how drafts are proposed")
+    num_speculative_tokens: int = Field(
+        ge=1, le=16, description="the most draft tokens per sequence and step"
+    )
+    prompt_lookup_min: int | None = Field(None, ge=1, description="shortest n-gram matched (default: max)")
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, description="longest n-gram matched (default: min, else 5)"
+    )
+    disable_by_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="no drafts while more requests than this are running or waiting; default: the engine "
+        "drafts only where the step times it measured at start say drafts pay",
+    )
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeMethod:
+        # vLLM's defaults: one bound given sets the other; neither gives 5 for both.
+        low = self.prompt_lookup_min or self.prompt_lookup_max or 5
+        high = self.prompt_lookup_max or low
+        if low > high:
+            raise ValueError(f"prompt_lookup_min {low} is above prompt_lookup_max {high}")
+        self.__dict__.update(prompt_lookup_min=low, prompt_lookup_max=high)
+        return self
+
+
+class SpeculativeConfig(_Config):
+    """Speculative decoding (vLLM's flag): drafts verified by the model in the step that decodes."""
+
+    speculative_config: str | None = Field(
+        None,
+        description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; '
+        "default: off",
+    )
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_speculative_config(value)
+        return value
+
+    @property
+    def method(self) -> SpeculativeMethod | None:
+        """`speculative_config`, parsed (None when off)."""
+        return None if self.speculative_config is None else parse_speculative_config(self.speculative_config)
+
+
+def parse_speculative_config(value: str) -> SpeculativeMethod:
+    """`--speculative-config`'s JSON as a SpeculativeMethod. Raises ValueError naming the bad key."""
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("must be a JSON object")
+    try:
+        return SpeculativeMethod(**data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{where}: {message}" if where else message) from None
+
+
 class ServerConfig(_Config):
     """The HTTP front end."""
 
@@ -265,6 +335,7 @@ class EngineConfig(_Config):
     parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()
     lora: LoRAConfig = LoRAConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @model_validator(mode="after")
     def _prompt_fits_step(self) -> EngineConfig:
@@ -278,4 +349,10 @@ class EngineConfig(_Config):
             raise ValueError("--enable-lora runs on one rank: use --tensor-parallel-size 1")
         if self.lora.enable_lora and self.model.model_impl == "transformers":
             raise ValueError("--enable-lora runs on conveyor's own decoder: use --model-impl native or auto")
+        return self
+
+    @model_validator(mode="after")
+    def _speculation_runs(self) -> EngineConfig:
+        if self.speculative.speculative_config is not None and self.scheduler.scheduling == "static":
+            raise ValueError("--speculative-config needs --scheduling continuous")
         return self

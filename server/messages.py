@@ -81,6 +81,11 @@ class SamplingParams:
     structured_output: StructuredOutputParams | None = None
 
     @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty is on."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -157,6 +162,8 @@ class EngineLimits:
     sparse_layers: tuple[int, ...] = ()
     # LoRA: adapters one step can run (`--max-loras`; 0 without --enable-lora).
     max_loras: int = 0
+    # Speculative decoding: the most draft tokens per sequence and step (0: off).
+    num_speculative_tokens: int = 0
 
 
 @dataclass
@@ -165,6 +172,30 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding over some steps (vLLM's `SpecDecodingStats`): `num_drafts` drafts verified,
+    `num_draft_tokens` tokens they held, `num_accepted_tokens` of them accepted, and per draft position
+    (0-based) how often it was accepted (`num_accepted_tokens_per_pos`, `[num_speculative_tokens]`)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+
+    @classmethod
+    def empty(cls, num_speculative_tokens: int) -> SpecDecodingStats:
+        return cls(0, 0, 0, [0] * num_speculative_tokens)
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one verified draft of `num_drafted` tokens whose first `num_accepted` were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
 
 
 @dataclass(frozen=True)
@@ -178,6 +209,7 @@ class SchedulerStats:
     routed to each expert, `[num_sparse_layers][num_experts]` in the order of `EngineLimits.sparse_layers`
     (mixture-of-experts models; None otherwise), from the model runner. running_lora_adapters,
     waiting_lora_adapters: names of the LoRA adapters of running and waiting requests, sorted.
+    spec_decoding: the step's speculative decoding counts (None when it verified no draft).
     """
 
     num_running: int
@@ -190,6 +222,7 @@ class SchedulerStats:
     expert_tokens: list[list[int]] | None = None
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass

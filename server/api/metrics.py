@@ -49,6 +49,7 @@ class EngineMetrics:
     `conveyor:lora_requests_info` and under vLLM's name `vllm:lora_requests_info` (the name its endpoint
     picker reads): one series whose labels list the adapters of running and waiting requests and whose
     value is the time it was set (Unix seconds); and finished requests per adapter (served names only).
+    With speculative decoding (`limits.num_speculative_tokens`): vLLM's `spec_decode_*` counters.
     """
 
     def __init__(
@@ -169,6 +170,27 @@ class EngineMetrics:
                 registry=r,
             )
             self._set_lora_info((), ())
+        # Speculative decoding: vLLM's counters, acceptance per draft position included.
+        self.spec = None
+        if limits.num_speculative_tokens:
+            self.spec = [
+                Counter(f"conveyor:spec_decode_{name}", doc, m, registry=r)
+                for name, doc in (
+                    ("num_drafts", "Drafts verified."),
+                    ("num_draft_tokens", "Draft tokens verified."),
+                    ("num_accepted_tokens", "Draft tokens accepted."),
+                )
+            ]
+            self.spec_per_pos = Counter(
+                "conveyor:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each draft position (0-based).",
+                ["model_name", "position"],
+                registry=r,
+            )
+            for series in self.spec:
+                series.labels(model_name)
+            for position in range(limits.num_speculative_tokens):
+                self.spec_per_pos.labels(model_name, str(position))
         # Export every gauge and counter from the start, so a query sees 0 rather than no data.
         for series in (self.num_waiting, self.num_running, self.kv_usage, self.prompt_tokens):
             series.labels(model_name)
@@ -199,6 +221,13 @@ class EngineMetrics:
             self._observe_experts(stats.expert_tokens)
         if self.lora_info:
             self._set_lora_info(stats.running_lora_adapters, stats.waiting_lora_adapters)
+        spec = stats.spec_decoding
+        if spec is not None and self.spec is not None:
+            values = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+            for series, value in zip(self.spec, values, strict=True):
+                series.labels(name).inc(value)
+            for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+                self.spec_per_pos.labels(name, str(position)).inc(count)
 
     def _set_lora_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
         """One series per gauge: the last label set replaces the one before."""

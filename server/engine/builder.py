@@ -19,6 +19,7 @@ from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB, check_prompt_fits_step
 from conveyor.server.engine.engine import LLMEngine
 from conveyor.server.engine.lora import LoRARegistry
+from conveyor.server.engine.speculative import Drafter, measure_step_cost
 from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.messages import EngineLimits
 from conveyor.server.model import loader
@@ -173,6 +174,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             max_num_seqs,
         )
         runner.allocate_kv_cache(num_blocks)
+        drafter = _drafter(config, runner, num_blocks)
         limits = EngineLimits(
             cc.block_size,
             num_blocks,
@@ -184,6 +186,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             weight_bytes,
             *_experts(model),
             max_loras=config.lora.max_loras if lora is not None else 0,
+            num_speculative_tokens=drafter.num_speculative_tokens if drafter is not None else 0,
         )
         served_model_name = mc.served_model_name or source.default_name
         release_freed_memory()
@@ -197,6 +200,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             kv_bytes_per_token=kv_bytes_per_token,
             observer=make_observer(served_model_name, limits) if make_observer is not None else None,
             lora=lora,
+            drafter=drafter,
         )
     except BaseException:
         if workers is not None:
@@ -223,6 +227,27 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegi
     for module in lc.modules:
         registry.add(module.name, module.path)
     return registry
+
+
+def _drafter(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> Drafter | None:
+    """With --speculative-config: the drafter, with the step costs it sizes drafts by measured on this
+    machine (a few forwards over the just-allocated KV cache) unless `disable_by_batch_size` is set."""
+    method = config.speculative.method
+    if method is None:
+        return None
+    step_cost = None
+    if method.disable_by_batch_size is None:
+        step_cost = measure_step_cost(
+            runner.profile, num_tokens=min(64, num_blocks * config.cache.block_size)
+        )
+        logger.info(
+            "speculative decoding: %s, up to %d draft tokens; a step costs %.2f ms + %.3f ms per token",
+            method.method,
+            method.num_speculative_tokens,
+            step_cost.fixed * 1e3,
+            step_cost.per_token * 1e3,
+        )
+    return Drafter(method, step_cost)
 
 
 def release_freed_memory() -> None:

@@ -19,6 +19,7 @@ from conveyor.server.engine.lora import LoRARegistry
 from conveyor.server.engine.output import OutputProcessor
 from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import SchedulerOutput, make_scheduler
+from conveyor.server.engine.speculative import Drafter
 from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.engine.structured_output import StructuredOutputManager
 from conveyor.server.engine.validation import InvalidRequestError, validate_request
@@ -49,7 +50,8 @@ class LLMEngine:
     limits: the KV pool and scheduler limits settled at start; kv_pool_bytes: the pool's bytes
     (`num_kv_blocks` blocks of `block_size` tokens, `kv_bytes_per_token` bytes each); observer: told of
     every step, new token and finished request (the Prometheus metrics), or None; lora: the served
-    LoRA adapters (`--enable-lora`; the runner then holds `limits.max_loras` slots), or None.
+    LoRA adapters (`--enable-lora`; the runner then holds `limits.max_loras` slots), or None; drafter:
+    proposes draft tokens each step (`--speculative-config`), or None.
     """
 
     def __init__(
@@ -64,9 +66,11 @@ class LLMEngine:
         kv_bytes_per_token: int,
         observer: StatsObserver | None = None,
         lora: LoRARegistry | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
         self.lora = lora
+        self.drafter = drafter
         self.tokenizer = tokenizer
         self.runner = runner
         self.limits = limits
@@ -191,14 +195,17 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute (forward and sample) -> update (the scheduler appends the
-        tokens) -> outputs (detokenize, stop checks, finish). Returns per-request outputs."""
+        """One iteration: draft (with speculative decoding) -> schedule -> execute (forward, sample and
+        verify drafts) -> update (the scheduler appends the tokens) -> outputs (detokenize, stop checks,
+        finish). Returns per-request outputs."""
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running, len(self.scheduler.waiting), self.max_model_len)
         schedule = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         expert_tokens = None
         if not schedule.is_empty:
             try:
-                sampled_ids, samples = self.runner.execute(schedule)
+                result = self.runner.execute(schedule)
             except Exception:
                 # A failed forward must not leave requests holding blocks: abort the step's requests.
                 for sched in schedule.scheduled:
@@ -206,14 +213,22 @@ class LLMEngine:
                     self.output_processor.discard(sched.request.request_id)
                 raise
             self._record_step(schedule)
-            sampled = dict(zip(sampled_ids, samples.token_ids, strict=True))
+            sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
+            if self.drafter is not None:
+                for sched in schedule.scheduled:
+                    if sched.spec_token_ids and sched.request.request_id in sampled:
+                        accepted = len(sampled[sched.request.request_id]) - 1
+                        self.drafter.record(sched.request, len(sched.spec_token_ids), accepted)
             updated = self.scheduler.update_from_output(schedule, sampled, self.max_model_len)
-            logprobs = dict(zip(sampled_ids, samples.logprobs, strict=True))
+            logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))
             outputs = self.output_processor.process(updated, logprobs, self.scheduler.finish_request)
             expert_tokens = self.runner.take_expert_tokens()
         if self.observer is not None:
             stats = self.scheduler.make_stats(schedule)
-            self.observer.on_step(replace(stats, expert_tokens=expert_tokens) if expert_tokens else stats)
+            spec = self.drafter.take_stats() if self.drafter is not None else None
+            if expert_tokens or spec:
+                stats = replace(stats, expert_tokens=expert_tokens, spec_decoding=spec)
+            self.observer.on_step(stats)
         return outputs
 
     def _record_step(self, schedule: SchedulerOutput) -> None:

@@ -57,6 +57,11 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     # The LoRA adapter the request runs under (None: the base model), held until the request ends.
     lora: LoRAAdapter | None = None
+    # Speculative decoding: this step's draft tokens (the drafter sets them before each step), the
+    # proposer's index of the request's tokens, and the request's decayed draft acceptance counts.
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_state: object | None = None
+    draft_acceptance: object | None = None
 
     @property
     def hash_root(self) -> bytes | None:
@@ -69,9 +74,19 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
         self.all_token_ids = list(self.prompt_token_ids)
 
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+    def append_output_tokens(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (a step accepted several and an earlier
+        one ended the request)."""
+        drop = len(self.output_token_ids) - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[-drop:]
+            del self.output_logprobs[num_output_tokens:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     @property
     def num_tokens(self) -> int:

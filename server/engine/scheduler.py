@@ -7,7 +7,9 @@ decodes, one token each) are served first, then waiting prompts fill what is lef
 in chunks when chunked prefill is on. When KV blocks run out, the most recently arrived running request
 is preempted: its blocks are freed, it keeps its generated tokens and goes back to the waiting queue to
 be recomputed (vLLM's recompute preemption). Finished and aborted requests free their blocks at once.
-With LoRA, the running requests use at most `max_loras` adapters (the slots the model runner holds): a
+With speculative decoding, a running request in decode also computes its draft tokens
+(`Request.spec_token_ids`, set by `speculative.Drafter`), within the step's token budget and only where
+KV blocks are free without preempting anyone. With LoRA, the running requests use at most `max_loras` adapters (the slots the model runner holds): a
 waiting request of another adapter waits while requests behind it that fit are admitted (vLLM's rule).
 
 `StaticScheduler` is the request-level baseline the benchmarks compare against: a batch is admitted only
@@ -28,15 +30,21 @@ from conveyor.server.messages import FinishReason, SchedulerStats
 
 @dataclass
 class ScheduledRequest:
-    """`num_new_tokens` tokens of `request`, starting at its `num_computed_tokens`, run this step."""
+    """`num_new_tokens` tokens of `request`, starting at its `num_computed_tokens`, run this step; the
+    last `len(spec_token_ids)` of them are draft tokens to verify (speculative decoding), past the
+    request's known tokens."""
 
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the request's last known token, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        request = self.request
+        return (
+            request.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == request.num_tokens
+        )
 
 
 @dataclass
@@ -138,6 +146,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(request)
@@ -170,7 +179,12 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(num_new, budget)
+            drafts = request.spec_token_ids[: budget - num_new]  # drafts only fill what the budget leaves
+            num_new += len(drafts)
             while not self.kv_cache.allocate_slots(request, num_new, []):
+                if drafts:  # drafts never cost another request its place: drop them first
+                    num_new, drafts = num_new - len(drafts), []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -178,7 +192,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             budget -= num_new
             i += 1
 
@@ -219,27 +233,32 @@ class Scheduler:
         return out
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], max_model_len: int
-    ) -> list[tuple[Request, float | None]]:
-        """Advance the step's requests and append their sampled tokens (`sampled_token_ids`, by request
-        id). Returns the requests that got a new token, each with the time of its previous token (None
-        for a first token); whether that token ends the request is the output processor's decision.
-        max_model_len: context length in tokens (the static baseline's padding rows stop there).
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]], max_model_len: int
+    ) -> list[tuple[Request, int, float | None]]:
+        """Advance the step's requests and append their new tokens (`sampled_token_ids`, by request id:
+        the accepted draft tokens, then the one the model sampled). A draft's rejected positions are
+        not computed: their K/V lies past `num_computed_tokens` and is overwritten by later steps,
+        before any block holding them is full and enters the prefix cache. Returns the requests that got
+        tokens, each with how many and the time of its previous token (None for a first token); whether
+        one ends the request is the output processor's decision. max_model_len: context length in
+        tokens (the static baseline's padding rows stop there).
         """
-        updated: list[tuple[Request, float | None]] = []
+        updated: list[tuple[Request, int, float | None]] = []
         now = time.monotonic()
         for sched in output.scheduled:
             request = sched.request
-            request.num_computed_tokens += sched.num_new_tokens
+            token_ids = sampled_token_ids.get(request.request_id)
+            num_rejected = len(sched.spec_token_ids) + 1 - len(token_ids) if token_ids else 0
+            request.num_computed_tokens += sched.num_new_tokens - num_rejected
+            if token_ids:
+                request.append_output_tokens(token_ids)
             self.kv_cache.cache_full_blocks(request)
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            if not token_ids:
                 continue
-            request.append_output_token(token_id)
             request.last_token_time, previous = now, request.last_token_time
             if request.first_token_time is None:
                 request.first_token_time = now
-            updated.append((request, previous))
+            updated.append((request, len(token_ids), previous))
         return updated
 
 
@@ -293,8 +312,8 @@ class StaticScheduler(Scheduler):
         return budget
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], max_model_len: int
-    ) -> list[tuple[Request, float | None]]:
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]], max_model_len: int
+    ) -> list[tuple[Request, int, float | None]]:
         """As `Scheduler.update_from_output`; a padding row's token is computed and thrown away."""
         live = []
         for sched in output.scheduled:
@@ -303,7 +322,7 @@ class StaticScheduler(Scheduler):
                 live.append(sched)
                 continue
             request.num_computed_tokens += sched.num_new_tokens
-            request.all_token_ids.append(sampled_token_ids[request.request_id])
+            request.all_token_ids += sampled_token_ids[request.request_id]
             if request.num_tokens >= max_model_len and request in self.padding:
                 self.padding.remove(request)
                 self.kv_cache.free(request)

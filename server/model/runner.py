@@ -26,12 +26,11 @@ from conveyor.server import capacity
 from conveyor.server.engine.request import Request
 from conveyor.server.engine.scheduler import SchedulerOutput
 from conveyor.server.engine.structured_output import grammar_bitmask
-from conveyor.server.messages import MAX_LOGPROBS
+from conveyor.server.messages import MAX_LOGPROBS, Logprob
 from conveyor.server.model.lora import LoRASlots
 from conveyor.server.model.models.llama import LlamaForCausalLM
 from conveyor.server.model.sampler import (
     Penalties,
-    SamplerOutput,
     SamplingMetadata,
     Truncation,
     sample,
@@ -44,12 +43,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class RunnerOutput:
+    """One step's new tokens: per request that sampled (`request_ids`, in schedule order), its tokens
+    (`token_ids[i]`: accepted draft tokens, then the model's own; one token without drafts) and each
+    token's Logprob (None where not asked for)."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    logprobs: list[list[Logprob | None]]
+
+
+@dataclass
 class ModelInput:
     """One step's packed batch, built on the CPU (rank 0 sends it to the other ranks as it is).
 
     input_ids, positions: `[num_tokens]` int64; meta: the step's AttentionMetadata; logits_rows:
     `[num_sampling_rows]` int64 indices of the tokens whose logits are sampled (each sampling
-    request's last token); lora_indices: `[num_tokens]` int64 LoRA slot of each token (-1: the base
+    request's last known token, then its draft tokens, if any); lora_indices: `[num_tokens]` int64 LoRA slot of each token (-1: the base
     model), None when no token has an adapter.
     """
 
@@ -156,7 +166,8 @@ class ModelRunner:
             request = sched.request
             start = request.num_computed_tokens
             end = start + sched.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(request.all_token_ids[start : end - len(sched.spec_token_ids)])
+            input_ids.extend(sched.spec_token_ids)
             pos = np.arange(start, end)
             table = np.asarray(request.block_table, dtype=np.int64)
             positions.append(pos)
@@ -172,7 +183,13 @@ class ModelRunner:
             max_query_len=max(s.num_new_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
         )
-        rows = [query_start_loc[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
+        # The last known token and every draft token of each sampling request are sampled.
+        rows = [
+            row
+            for i, s in enumerate(scheduled)
+            if s.samples
+            for row in range(query_start_loc[i + 1] - 1 - len(s.spec_token_ids), query_start_loc[i + 1])
+        ]
         lora_indices = None
         if lora_slots:
             lora_indices = torch.from_numpy(
@@ -245,10 +262,11 @@ class ModelRunner:
         return None if counts is None else counts.tolist()
 
     @torch.inference_mode()
-    def execute(self, schedule: SchedulerOutput) -> tuple[list[str], SamplerOutput]:
-        """Run one step (on every rank). Returns the ids of the requests that sampled a token, and the
-        samples in that order (requests mid-way through a chunked prefill compute K/V only). The
-        sampling inputs are built here as tensors (`build_sampling_metadata`) for the sampler."""
+    def execute(self, schedule: SchedulerOutput) -> RunnerOutput:
+        """Run one step (on every rank) and sample: one token per sampling request, or with draft
+        tokens the accepted ones and one more (requests mid-way through a chunked prefill compute K/V
+        only). The sampling inputs are built here as tensors (`build_sampling_metadata`), one row per
+        sampled position, for the sampler."""
         adapters = [s.request.lora for s in schedule.scheduled if s.request.lora is not None]
         lora_slots = self.lora.activate(adapters) if adapters and self.lora is not None else None
         inputs = self.prepare_inputs(schedule, lora_slots)
@@ -256,10 +274,30 @@ class ModelRunner:
             self.workers.tell("forward", inputs)
         logits = self.forward(inputs)
         if logits is None:
-            return [], SamplerOutput([], [])
-        requests = [s.request for s in schedule.scheduled if s.samples]
-        sampling = build_sampling_metadata(requests, vocab_size=logits.shape[1])
-        return [r.request_id for r in requests], sample(logits, sampling)
+            return RunnerOutput([], [], [])
+        sampling = [s for s in schedule.scheduled if s.samples]
+        if not any(s.spec_token_ids for s in sampling):
+            out = sample(logits, build_sampling_metadata([s.request for s in sampling], logits.shape[1]))
+            return RunnerOutput(
+                [s.request.request_id for s in sampling],
+                [[t] for t in out.token_ids],
+                [[lp] for lp in out.logprobs],
+            )
+        # Row j of a request with drafts d_1..d_k sees the request as if d_1..d_j were accepted.
+        rows = [(s.request, j) for s in sampling for j in range(len(s.spec_token_ids) + 1)]
+        drafts = [d for s in sampling for d in [*s.spec_token_ids, -1]]
+        metadata = build_sampling_metadata([r for r, _ in rows], logits.shape[1], [j for _, j in rows])
+        out = sample(logits, metadata, torch.tensor(drafts))
+        token_ids, logprobs, row = [], [], 0
+        for s in sampling:
+            # The accepted drafts, then the model's token at the first rejected position (or after all).
+            accepted = 0
+            while accepted < len(s.spec_token_ids) and out.accepted[row + accepted]:
+                accepted += 1
+            token_ids.append(out.token_ids[row : row + accepted + 1])
+            logprobs.append(out.logprobs[row : row + accepted + 1])
+            row += len(s.spec_token_ids) + 1
+        return RunnerOutput([s.request.request_id for s in sampling], token_ids, logprobs)
 
     @torch.inference_mode()
     def profile(self, num_tokens: int) -> None:
@@ -299,9 +337,13 @@ def fused_layer_loop(
     return cpu_kernels.DecoderLayers(model.decoder_spec())
 
 
-def build_sampling_metadata(requests: list[Request], vocab_size: int) -> SamplingMetadata:
+def build_sampling_metadata(
+    requests: list[Request], vocab_size: int, num_drafts_before: list[int] | None = None
+) -> SamplingMetadata:
     """The sampling inputs of a step's sampling rows as tensors (vLLM v1's `SamplingMetadata`, which its
-    runner's input batch builds): requests[i] owns logits row i. logit_bias token ids must be in
+    runner's input batch builds): requests[i] owns logits row i; `num_drafts_before[i]` draft tokens of
+    it precede that row (a request with drafts owns several rows; its drafts count as outputs for
+    `min_tokens`; requests with penalties or a grammar do not draft). logit_bias token ids must be in
     [0, vocab_size) (the API validates them); stop and EOS ids outside it are left out of the bans, and
     output ids outside it out of the penalties. Parts no row uses are None, so a step of plain greedy
     rows builds none of them."""
@@ -317,7 +359,7 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int) -> Samplin
         grammar_bitmask=bitmask,
         logit_bias=_logit_bias(requests),
         penalties=_penalties(requests, vocab_size),
-        banned=_banned(requests, vocab_size),
+        banned=_banned(requests, vocab_size, num_drafts_before or [0] * len(requests)),
         random=_truncation(requests, vocab_size),
         logprobs=[
             None if r.sampling_params.logprobs is None else min(r.sampling_params.logprobs, MAX_LOGPROBS)
@@ -346,13 +388,7 @@ def _logit_bias(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def _penalties(requests: list[Request], vocab_size: int) -> Penalties | None:
-    rows = [
-        i
-        for i, r in enumerate(requests)
-        if r.sampling_params.repetition_penalty != 1.0
-        or r.sampling_params.presence_penalty
-        or r.sampling_params.frequency_penalty
-    ]
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return None
     params = [requests[i].sampling_params for i in rows]
@@ -380,13 +416,15 @@ def _penalties(requests: list[Request], vocab_size: int) -> Penalties | None:
     )
 
 
-def _banned(requests: list[Request], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _banned(
+    requests: list[Request], vocab_size: int, num_drafts_before: list[int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Before `min_tokens` outputs, EOS and stop token ids cannot be sampled (vLLM's min_tokens). A
     request with a grammar is left to it: the grammar alone says when its output may end."""
     pairs = []
-    for row, r in enumerate(requests):
+    for row, (r, drafted) in enumerate(zip(requests, num_drafts_before, strict=True)):
         p = r.sampling_params
-        if len(r.output_token_ids) < p.min_tokens and r.grammar is None:
+        if len(r.output_token_ids) + drafted < p.min_tokens and r.grammar is None:
             ids = list(p.stop_token_ids)
             if r.eos_token_id is not None and not p.ignore_eos:
                 ids.append(r.eos_token_id)

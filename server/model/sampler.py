@@ -84,10 +84,13 @@ class SamplingMetadata:
 
 @dataclass
 class SamplerOutput:
-    """token_ids: `[num_rows]` int64 sampled ids; logprobs: per row, a Logprob or None."""
+    """token_ids: `[num_rows]` the row's token (its draft token where accepted); logprobs: per row, a
+    Logprob of that token or None; accepted: per row, whether its draft token was accepted (all False
+    without drafts)."""
 
     token_ids: list[int]
     logprobs: list[Logprob | None]
+    accepted: list[bool]
 
 
 def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
@@ -144,14 +147,20 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int], wanted: list[int | Non
     return out
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-    """Sample one token per row.
+def sample(
+    logits: torch.Tensor, metadata: SamplingMetadata, drafts: torch.Tensor | None = None
+) -> SamplerOutput:
+    """Sample one token per row, or verify the row's draft token.
 
     logits: `[num_rows, vocab_size]` (any float dtype; computed in float32); metadata: the step's
-    sampling inputs, row i of which belongs to logits row i. Log-probabilities, when asked for, are of
-    the model's distribution after the grammar's mask, logit bias and penalties and before temperature
-    and truncation (vLLM's default "raw" log-probabilities; with a logit_bias they are of the biased
-    distribution, as OpenAI's are).
+    sampling inputs, row i of which belongs to logits row i. drafts: `[num_rows]` int64, the draft token
+    each row verifies (-1: none; speculative decoding). A greedy row accepts its draft when it is the
+    argmax; a random row accepts it with probability p(draft) under the row's final distribution (the
+    draft is deterministic, so this is the speculative-sampling rule min(1, p/q) with q = 1) and else
+    samples from p with the draft removed, so each emitted token is distributed as without drafts.
+    Log-probabilities, when asked for, are of the model's distribution after the grammar's mask, logit
+    bias and penalties and before temperature and truncation (vLLM's default "raw" log-probabilities;
+    with a logit_bias they are of the biased distribution, as OpenAI's are).
     """
     logits = logits.to(torch.float32, copy=True)  # penalties and masks work in place
     if metadata.grammar_bitmask is not None:
@@ -164,14 +173,33 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     if metadata.banned is not None:
         logits[metadata.banned] = float("-inf")
     token_ids = logits.argmax(dim=-1)
+    accepted = torch.zeros(len(token_ids), dtype=torch.bool)
+    if drafts is not None:
+        accepted = drafts == token_ids
 
     random = metadata.random
     if random is not None:
         probs = _truncate(logits[random.rows], random)
         q = torch.empty_like(probs)
+        u = torch.empty(len(random.rows))
         for j in range(len(random.rows)):
-            q[j].exponential_(generator=random.generators.get(j))
+            generator = random.generators.get(j)
+            q[j].exponential_(generator=generator)
+            if drafts is not None:
+                u[j : j + 1].uniform_(generator=generator)
+        if drafts is not None:
+            row_drafts = drafts[random.rows]
+            has = row_drafts >= 0
+            draft_ids = row_drafts.clamp(min=0)[:, None]
+            p_draft = probs.gather(1, draft_ids)[:, 0]
+            accepted[random.rows] = has & (u < p_draft)
+            # A rejected draft: sample from p without it (the residual max(0, p - q), normalised).
+            probs = torch.where(has[:, None], probs.scatter(1, draft_ids, 0.0), probs)
         token_ids[random.rows] = (probs / q).argmax(dim=-1)
 
+    if drafts is not None:
+        token_ids = torch.where(accepted, drafts, token_ids)
     ids = token_ids.tolist()
-    return SamplerOutput(token_ids=ids, logprobs=_logprobs(logits, ids, metadata.logprobs))
+    return SamplerOutput(
+        token_ids=ids, logprobs=_logprobs(logits, ids, metadata.logprobs), accepted=accepted.tolist()
+    )

@@ -16,13 +16,21 @@ MiB = 1 << 20
 
 def engine_config(**overrides):
     """float32 (the correctness anchor), a 1024-token context and a 768 MiB KV pool (17 full-length
-    sequences), unless overridden: `model=`, `cache=`, `scheduler=` take dicts of fields."""
-    from conveyor.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    sequences), unless overridden: `model=`, `cache=`, `scheduler=`, `speculative=` take dicts of
+    fields."""
+    from conveyor.server.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
 
     return EngineConfig(
         model=ModelConfig(**{"dtype": "float32", "max_model_len": 1024, **overrides.get("model", {})}),
         cache=CacheConfig(**{"kv_cache_memory": 768 * MiB, **overrides.get("cache", {})}),
         scheduler=SchedulerConfig(**overrides.get("scheduler", {})),
+        speculative=SpeculativeConfig(**overrides.get("speculative", {})),
     )
 
 

@@ -72,7 +72,7 @@ def test_check_serve_args_refuses_abbreviations_and_unknown_flags() -> None:
     assert "--model-impl native" in check_serve_args(["--enable-lora", "--model-impl", "transformers"])
 
 
-def _other_value(info):
+def _other_value(info, name: str = ""):
     """A valid value for a config field that differs from its default."""
     from typing import Literal, get_args, get_origin
 
@@ -89,6 +89,8 @@ def _other_value(info):
         return 0.5 if info.default != 0.5 else 0.25
     if kind is int:
         return (info.default or 3) * 2 + 1  # within every field's bounds (ports, body size, ...)
+    if kind is str and name == "speculative_config":
+        return '{"method": "ngram", "num_speculative_tokens": 3}'
     if kind is str:
         return "some-value"
     if get_origin(kind) is list:  # --lora-modules
@@ -103,12 +105,13 @@ def test_serve_argv_renders_every_field_so_that_serve_parses_it_back() -> None:
     from conveyor.server.config import EngineConfig, ServerConfig
 
     def changed(model):
-        return model(**{name: _other_value(info) for name, info in model.model_fields.items()})
+        return model(**{name: _other_value(info, name) for name, info in model.model_fields.items()})
 
-    # LoRA runs on one rank: the changed tensor-parallel size and the changed LoRA group go separately.
-    for apart in ("parallel", "lora"):
+    # LoRA runs on one rank and speculation with continuous batching: the changed tensor-parallel size
+    # and LoRA group go separately, as do the changed (static) scheduling and speculation.
+    for apart in (("parallel", "speculative"), ("lora", "scheduler")):
         engine = EngineConfig(
-            **{name: changed(group) for name, group in _ENGINE_GROUPS.items() if name != apart}
+            **{name: changed(group) for name, group in _ENGINE_GROUPS.items() if name not in apart}
         )
         server = changed(ServerConfig)
         argv = serve_argv(engine, server)

@@ -133,8 +133,8 @@ def test_stored_events_are_the_hash_chain_of_newly_cached_blocks():
     assert admit(kv, make_request("b", prompt))
     assert kv.take_events() == []
     # Output tokens filling a block store it too.
-    a.append_output_token(1)
-    a.append_output_token(2)
+    a.append_output_tokens([1])
+    a.append_output_tokens([2])
     a.num_computed_tokens = a.num_tokens
     assert kv.allocate_slots(a, 0, [])
     kv.cache_full_blocks(a)

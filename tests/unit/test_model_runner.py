@@ -57,14 +57,14 @@ def test_attention_metadata_is_prepared_once_per_step_for_every_layer():
     runner.allocate_kv_cache(8)
     decoding = _request("a", list(range(1, 21)), [1, 2])
     prefilling = _request("b", list(range(30, 37)), [3])
-    ids, first = runner.execute(SchedulerOutput([ScheduledRequest(decoding, 20)], 20))
+    first = runner.execute(SchedulerOutput([ScheduledRequest(decoding, 20)], 20))
     decoding.num_computed_tokens = 20
-    decoding.append_output_token(first.token_ids[0])
+    decoding.append_output_tokens(first.token_ids[0])
     # A mixed step: one decode row, one 7-token prefill.
     step = SchedulerOutput([ScheduledRequest(decoding, 1), ScheduledRequest(prefilling, 7)], 8)
-    ids, out = runner.execute(step)
+    out = runner.execute(step)
 
-    assert ids == ["a", "b"] and len(out.token_ids) == 2
+    assert out.request_ids == ["a", "b"] and len(out.token_ids) == 2
     assert len(calls["prepare_metadata"]) == 2  # one per step
     prepared = calls["prepare_metadata"][-1]
     assert prepared.attention.q_lens == [1, 7] and prepared.attention.decode == [0]

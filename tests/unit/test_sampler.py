@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from conveyor.server.engine.request import Request
@@ -15,7 +16,7 @@ from conveyor.server.model.runner import build_sampling_metadata
 def req(rid="r", output=(), prompt=(1, 2), eos=None, **params) -> Request:
     r = Request(rid, list(prompt), SamplingParams(**params), eos_token_id=eos)
     for t in output:
-        r.append_output_token(t)
+        r.append_output_tokens([t])
     return r
 
 
@@ -151,3 +152,36 @@ def test_seeded_and_unseeded_random_rows_in_one_batch():
     assert metadata.random.top_k.tolist() == [100, 5]
     out = sampler.sample(batch, metadata).token_ids
     assert out[2] == alone and out[1] == int(batch[1].argmax())
+
+
+def test_a_verified_draft_leaves_the_distribution_as_it_was():
+    """Speculative sampling with a deterministic draft: accept it with probability p(draft), else draw
+    from p without it. Each row's emitted token must follow p (after temperature and top_k), whichever
+    token the draft is: a likely one, an unlikely one, one top_k removed."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    p = (logits / 0.8).softmax(-1)
+    p[4:] = 0
+    p /= p.sum()
+    n = 20000
+    for draft in (0, 3, 5):
+        rows = [req(str(i), temperature=0.8, top_k=4, seed=i) for i in range(n)]
+        out = sampler.sample(logits.expand(n, -1), build_sampling_metadata(rows, 6), torch.full((n,), draft))
+        counts = torch.bincount(torch.tensor(out.token_ids), minlength=6).float()
+        assert torch.allclose(counts / n, p, atol=0.012), (draft, counts / n, p)
+        accepted = torch.tensor(out.accepted)
+        assert accepted.float().mean().item() == pytest.approx(p[draft].item(), abs=0.012)
+        assert (torch.tensor(out.token_ids)[accepted] == draft).all()
+
+
+def test_a_greedy_row_accepts_only_the_argmax_and_a_row_without_a_draft_samples():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
+    rows = [req("a", temperature=0), req("b", temperature=0), req("c", temperature=0)]
+    out = sampler.sample(logits, build_sampling_metadata(rows, 3), torch.tensor([1, 2, -1]))
+    assert out.accepted == [True, False, False] and out.token_ids == [1, 1, 0]
+
+
+def test_min_tokens_bans_eos_at_draft_positions_still_short_of_it():
+    logits = torch.tensor([[0.0, 5.0, 1.0]] * 3)  # EOS (1) is the argmax everywhere
+    r = req(eos=1, output=[2], temperature=0, min_tokens=3)
+    metadata = build_sampling_metadata([r, r, r], 3, [0, 1, 2])
+    assert sampler.sample(logits, metadata, torch.tensor([2, 2, -1])).token_ids == [2, 2, 1]

@@ -40,9 +40,9 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, caching=False, *
 def step(scheduler: Scheduler):
     """One step with a fake model that samples token 1 for every request that reaches its end."""
     out = scheduler.schedule()
-    sampled = {s.request.request_id: 1 for s in out.scheduled if s.samples}
-    for request, _ in scheduler.update_from_output(out, sampled, MAX_MODEL_LEN):
-        reason = stop_reason(request, 1, MAX_MODEL_LEN)
+    sampled = {s.request.request_id: [1] for s in out.scheduled if s.samples}
+    for request, _, _ in scheduler.update_from_output(out, sampled, MAX_MODEL_LEN):
+        reason = stop_reason(request, len(request.output_token_ids), MAX_MODEL_LEN)
         if reason is not None:
             scheduler.finish_request(request, reason)
     return out

@@ -1,0 +1,224 @@
+"""Speculative decoding's drafting side: who drafts, how many tokens, and from where.
+
+Each step, before the scheduler plans it, `Drafter.propose` gives every running request in decode a
+draft (`Request.spec_token_ids`): tokens the request is likely to produce next. The scheduler budgets
+them beside the request's one real token (they count against `max_num_batched_tokens` and KV blocks),
+the model runner computes all of them in the same packed step as other work, and the sampler checks
+each draft position against the model's own distribution there (`sampler.sample` with drafts: greedy
+rows accept a draft token that is the argmax; random rows accept it with probability p(token), since an
+n-gram draft is deterministic, and else draw from p without it, the speculative-sampling rule of
+Leviathan et al., ICML 2023, and Chen et al., 2023, so outputs keep the non-speculative distribution).
+The longest accepted prefix plus one token from the model come out of the step; the K/V of rejected
+positions lies past `num_computed_tokens` and is overwritten later (`Scheduler.update_from_output`).
+
+Proposer: n-gram prompt lookup (vLLM's `ngram` method): the tokens that followed the latest earlier
+occurrence of the sequence's last n tokens (prompt and output), n from `prompt_lookup_max` down to
+`prompt_lookup_min`. Requests with penalties or a structured-output grammar do not draft (the sampling
+inputs of their draft positions would depend on the drafts themselves).
+
+How many: a draft token costs compute in the step; it pays only when it is likely to be accepted and
+the step is not compute-bound already. With a step of T tokens costing `a + b * T` seconds (measured at
+start, `measure_step_cost`), a draft position j (1-based) of a request whose positions are accepted with
+probability alpha is worth proposing when `alpha ** j >= b * T / (a + b * T)`: the chance it is used
+against its share of the step's time. So a lone sequence drafts up to `num_speculative_tokens` tokens,
+and a big batch (T large, the ratio near 1) stops drafting. alpha is each request's acceptance rate,
+decayed so it follows recent text, starting from the engine's overall rate; a request that stopped
+drafting for a low rate sees its old misses fade each step, so it tries again later.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from conveyor.server.config import SpeculativeMethod
+from conveyor.server.engine.request import Request
+from conveyor.server.messages import SpecDecodingStats
+
+# Weight of older acceptance counts after each verification (per request and engine-wide).
+_DECAY = 0.7
+# Acceptance rate assumed before any draft was verified.
+_PRIOR_ACCEPTANCE = 0.5
+# Candidate earlier occurrences checked per lookup, latest first.
+_MAX_CANDIDATES = 16
+
+
+class NgramIndex:
+    """Where each `n`-gram of one request's tokens ended, latest last, extended as tokens are appended.
+
+    `positions[gram]` lists the indexes just past every occurrence of `gram` (a tuple of `n` token ids)
+    that ends before the sequence's last token, so a lookup of the sequence's own suffix finds only
+    earlier occurrences.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.positions: dict[tuple[int, ...], list[int]] = {}
+        self.indexed = 0  # grams ending at indexes below this are in `positions`
+
+    def update(self, tokens: list[int]) -> None:
+        n = self.n
+        for end in range(max(self.indexed, n), len(tokens)):
+            self.positions.setdefault(tuple(tokens[end - n : end]), []).append(end)
+        self.indexed = max(self.indexed, len(tokens))
+
+
+class NgramProposer:
+    """Prompt lookup over a request's prompt and output. Per-request state lives on the request
+    (`Request.draft_state`), so it goes when the request does."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.n_min = prompt_lookup_min
+        self.n_max = prompt_lookup_max
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` draft tokens continuing `request.all_token_ids`, or [] when its last
+        `prompt_lookup_min` tokens occurred nowhere before."""
+        tokens = request.all_token_ids
+        if max_tokens <= 0 or len(tokens) <= self.n_min:
+            return []
+        index = request.draft_state
+        if index is None:
+            index = request.draft_state = NgramIndex(self.n_min)
+        index.update(tokens)
+        candidates = index.positions.get(tuple(tokens[-self.n_min :]))
+        if not candidates:
+            return []
+        best, best_len = candidates[-1], self.n_min
+        for end in reversed(candidates[-_MAX_CANDIDATES:]):
+            # Extend the match backwards, up to n_max tokens; the latest of the longest wins.
+            length = self.n_min
+            while (
+                length < self.n_max
+                and end - length - 1 >= 0
+                and tokens[end - length - 1] == tokens[len(tokens) - length - 1]
+            ):
+                length += 1
+            if length > best_len:
+                best, best_len = end, length
+            if length == self.n_max:
+                break
+        return tokens[best : best + max_tokens]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step of T tokens takes about `fixed + per_token * T` seconds (`measure_step_cost`)."""
+
+    fixed: float
+    per_token: float
+
+    def draft_threshold(self, num_tokens: int) -> float:
+        """The acceptance chance a draft position must reach in a step of `num_tokens` other tokens."""
+        work = self.per_token * num_tokens
+        return work / (self.fixed + work) if self.fixed + work > 0 else 1.0
+
+
+def measure_step_cost(run, repeats: int = 3, num_tokens: int = 64) -> StepCost:
+    """Fit `StepCost` to the best of `repeats` timings of `run(1)` and `run(num_tokens)` (a forward of
+    that many tokens, `ModelRunner.profile`)."""
+
+    def best(n: int) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run(n)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    best(1)  # warm-up
+    one, many = best(1), best(num_tokens)
+    per_token = max(many - one, 0.0) / max(num_tokens - 1, 1)
+    return StepCost(fixed=max(one - per_token, 0.0), per_token=per_token)
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts of accepted and verified draft positions."""
+
+    accepted: float = 0.0
+    verified: float = 0.0
+
+    def rate(self, prior: float) -> float:
+        return (self.accepted + prior) / (self.verified + 1.0)
+
+    def add(self, accepted: int, verified: int) -> None:
+        self.accepted = _DECAY * self.accepted + accepted
+        self.verified = _DECAY * self.verified + verified
+
+
+class Drafter:
+    """Proposes each step's drafts (`propose`) and learns from their verification (`record`).
+
+    method: the parsed `--speculative-config`. step_cost: the machine's step times, for the adaptive
+    draft length; None when `disable_by_batch_size` is set (drafting then stops above that many
+    requests, vLLM's rule, and otherwise always drafts up to `num_speculative_tokens`).
+    """
+
+    def __init__(self, method: SpeculativeMethod, step_cost: StepCost | None) -> None:
+        self.method = method
+        self.num_speculative_tokens = method.num_speculative_tokens
+        self.proposer = NgramProposer(method.prompt_lookup_min, method.prompt_lookup_max)
+        self.step_cost = step_cost
+        self.overall = _Acceptance()
+        self.stats = SpecDecodingStats.empty(self.num_speculative_tokens)
+        self.total_draft_tokens = 0  # over the engine's life (benchmarks read them)
+        self.total_accepted_tokens = 0
+
+    def _draft_lengths(self, running: list[Request], num_waiting: int) -> dict[str, int] | None:
+        """Per request id, the most draft tokens worth proposing this step (None: none at all)."""
+        limit = self.method.disable_by_batch_size
+        if limit is not None:
+            return None if len(running) + num_waiting > limit else {}
+        threshold = self.step_cost.draft_threshold(len(running)) if self.step_cost else 0.0
+        prior = self.overall.rate(_PRIOR_ACCEPTANCE)
+        lengths = {}
+        for request in running:
+            acceptance = request.draft_acceptance
+            alpha = acceptance.rate(prior) if acceptance is not None else prior
+            k, chance = 0, alpha
+            while k < self.num_speculative_tokens and chance >= threshold:
+                k, chance = k + 1, chance * alpha
+            if not k and acceptance is not None:
+                acceptance.add(0, 0)  # a step without drafts fades the old misses: it retries later
+            lengths[request.request_id] = k
+        return lengths
+
+    def propose(self, running: list[Request], num_waiting: int, max_model_len: int) -> None:
+        """Set `spec_token_ids` of every running request: a draft for those in decode that may draft,
+        [] for the rest. A draft never takes a request past `max_tokens` or `max_model_len`."""
+        lengths = self._draft_lengths(running, num_waiting)
+        for request in running:
+            request.spec_token_ids = []
+            if lengths is None or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            params = request.sampling_params
+            if request.grammar is not None or params.has_penalties:
+                continue
+            room = min(
+                params.max_tokens - len(request.output_token_ids) - 1,
+                max_model_len - request.num_tokens - 1,
+                lengths.get(request.request_id, self.num_speculative_tokens),
+            )
+            request.spec_token_ids = self.proposer.propose(request, room)
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """Learn from one verification: `num_accepted` of the request's `num_drafted` draft tokens."""
+        if not num_drafted:
+            return
+        verified = num_accepted + (num_accepted < num_drafted)  # positions checked: up to the first miss
+        if request.draft_acceptance is None:
+            request.draft_acceptance = _Acceptance()
+        request.draft_acceptance.add(num_accepted, verified)
+        self.overall.add(num_accepted, verified)
+        self.stats.add(num_drafted, num_accepted)
+        self.total_draft_tokens += num_drafted
+        self.total_accepted_tokens += num_accepted
+
+    def take_stats(self) -> SpecDecodingStats | None:
+        """The counts since the last call, or None when nothing was drafted."""
+        stats = self.stats
+        if not stats.num_drafts:
+            return None
+        self.stats = SpecDecodingStats.empty(self.num_speculative_tokens)
+        return stats

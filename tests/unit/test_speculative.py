@@ -1,0 +1,119 @@
+"""The drafting side of speculative decoding: n-gram prompt lookup, the adaptive draft length and the
+`--speculative-config` flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.server.cli import ServeArgsError, parse_serve_argv
+from conveyor.server.config import SpeculativeMethod
+from conveyor.server.engine.request import Request
+from conveyor.server.engine.speculative import Drafter, NgramProposer, StepCost
+from conveyor.server.messages import SamplingParams
+
+
+def decoding(tokens: list[int], output: int = 1, **params) -> Request:
+    """A running request in decode: `tokens` (the last `output` of them generated), all computed but
+    the last."""
+    r = Request("r", tokens[:-output], SamplingParams(**{"max_tokens": 100, **params}), eos_token_id=None)
+    r.append_output_tokens(tokens[-output:])
+    r.num_computed_tokens = len(tokens) - 1
+    return r
+
+
+def test_ngram_lookup_continues_the_latest_longest_match():
+    proposer = NgramProposer(1, 3)
+    # "5 6 7" occurs twice; its latest earlier occurrence is followed by 8 9 1.
+    r = decoding([5, 6, 7, 1, 2, 5, 6, 7, 8, 9, 1, 6, 7])
+    assert proposer.propose(r, 3) == [8, 9, 1]
+    # A longer match beats a later shorter one: "4 6 7" (at the start) over the later "6 7".
+    r = decoding([4, 6, 7, 3, 3, 6, 7, 5, 5, 4, 6, 7])
+    assert proposer.propose(r, 2) == [3, 3]
+    assert proposer.propose(decoding([1, 2, 3, 4]), 4) == []  # 4 never occurred before
+    # The index grows with the request: a token appended later is found.
+    r = decoding([1, 2, 3, 1])
+    assert proposer.propose(r, 2) == [2, 3]
+    r.append_output_tokens([9, 1])
+    r.num_computed_tokens += 2
+    assert proposer.propose(r, 2) == [9, 1]
+
+
+def _drafter(**method) -> Drafter:
+    config = SpeculativeMethod(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, **method)
+    # A step costs 20 ms + 1 ms per token.
+    return Drafter(config, None if "disable_by_batch_size" in method else StepCost(0.020, 0.001))
+
+
+def test_drafts_stop_where_a_step_is_compute_bound_and_follow_acceptance():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 4
+    drafter = _drafter()
+    lone = decoding(tokens)
+    drafter.propose([lone], 0, 1000)
+    assert len(lone.spec_token_ids) == 4  # one sequence: 1 ms / 21 ms, far below the prior 0.5
+    crowd = [decoding(tokens) for _ in range(64)]
+    drafter.propose(crowd, 0, 1000)
+    assert all(r.spec_token_ids == [] for r in crowd)  # 64 ms of 84 ms: a draft would need 0.76
+    # A request whose drafts keep failing stops drafting; one whose drafts land keeps going.
+    for _ in range(6):
+        drafter.record(lone, 4, 0)
+    drafter.propose([lone], 0, 1000)
+    assert lone.spec_token_ids == []
+    good = decoding(tokens)
+    for _ in range(6):
+        drafter.record(good, 4, 4)
+    drafter.propose([good], 0, 1000)
+    assert len(good.spec_token_ids) == 4
+    stats = drafter.take_stats()
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (12, 48, 24)
+    assert stats.num_accepted_tokens_per_pos == [6, 6, 6, 6] and drafter.take_stats() is None
+
+
+def test_drafts_respect_limits_and_skip_what_they_cannot_verify():
+    tokens = [1, 2, 3, 4] * 4
+    drafter = _drafter(disable_by_batch_size=3)
+    near_end = decoding(tokens, output=3, max_tokens=5)  # room for one more token after the next
+    penalised = decoding(tokens, repetition_penalty=1.2)
+    prefilling = decoding(tokens)
+    prefilling.num_computed_tokens = 4
+    drafter.propose([near_end, penalised, prefilling], 0, 1000)
+    assert near_end.spec_token_ids == [1] and penalised.spec_token_ids == []
+    assert prefilling.spec_token_ids == []
+    assert drafter.propose([near_end], 0, len(tokens) + 2) is None and near_end.spec_token_ids == [1]
+    drafter.propose([near_end], 3, 1000)  # four requests: above disable_by_batch_size
+    assert near_end.spec_token_ids == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method: Input should be 'ngram'"),
+        ('{"method": "ngram"}', "num_speculative_tokens: Field required"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: Input should be greater"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+         "prompt_lookup_min 4 is above prompt_lookup_max 2"),
+        ("ngram", "not JSON"),
+        ("[]", "must be a JSON object"),
+    ],
+)  # fmt: skip
+def test_bad_speculative_config_is_refused_naming_the_flag_and_key(value, message):
+    with pytest.raises(ServeArgsError, match="--speculative-config: ") as info:
+        parse_serve_argv(["--speculative-config", value])
+    assert message in str(info.value)
+
+
+def test_speculation_needs_continuous_batching_and_takes_vllm_defaults():
+    with pytest.raises(ServeArgsError, match="--speculative-config needs --scheduling continuous"):
+        parse_serve_argv(
+            [
+                "--scheduling",
+                "static",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+            ]
+        )
+    method = parse_serve_argv(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    ).engine.speculative.method
+    assert (method.prompt_lookup_min, method.prompt_lookup_max) == (5, 5)
+    method = SpeculativeMethod(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)
+    assert (method.prompt_lookup_min, method.prompt_lookup_max) == (3, 3)
