@@ -166,16 +166,27 @@ def reshape_and_cache(
     torch.ops.conveyor_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
+# Sequences with at most this many query rows (draft tokens being verified, a short chunk) run through
+# the decode kernel, one row at a time against the keys before it: gathering a long context's K/V into a
+# contiguous copy per sequence and layer, as `prefill_attention` does, cost 2.7x the step time at 16
+# sequences verifying one draft token each.
+MAX_DECODE_KERNEL_QUERY_LEN = 16
+
+
 @dataclass(frozen=True)
 class MixedStep:
     """The host-side split of a step with prefill rows (`prepare_metadata`), the same for every layer.
 
-    decode: `[D]` int64 indices of the sequences with one query row; decode_starts: `[D]` int32 their
-    query rows. q_lens, starts, seq_lens: per sequence, Python ints (for `prefill_attention`).
+    decode_rows: `[D]` int64 the query rows the decode kernel computes: every row of the sequences with
+    at most MAX_DECODE_KERNEL_QUERY_LEN; decode_tables: `[D, max_blocks]` int32 each row's sequence's
+    block table; decode_lens: `[D]` int32 the keys each row sees (its position + 1). q_lens, starts,
+    seq_lens: per sequence, Python ints, for `prefill_attention`, with the sequences the decode kernel
+    computes given q_len 1 (which it skips).
     """
 
-    decode: torch.Tensor
-    decode_starts: torch.Tensor
+    decode_rows: torch.Tensor
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
     q_lens: list[int]
     starts: list[int]
     seq_lens: list[int]
@@ -191,14 +202,32 @@ def prepare_metadata(
     """See `conveyor.kernels.reference.prepare_metadata`. A step of decodes only needs nothing (None):
     the C++ kernels read the metadata tensors directly; a step with prefill rows gets its `MixedStep`
     (the one host sync of the step)."""
-    return None if meta.max_query_len == 1 else _mixed_step(meta.query_start_loc, meta.seq_lens)
+    if meta.max_query_len == 1:
+        return None
+    return _mixed_step(meta.query_start_loc, meta.seq_lens, meta.block_tables)
 
 
-def _mixed_step(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> MixedStep:
-    starts = query_start_loc[:-1]
-    q_lens = query_start_loc[1:] - starts
-    decode = (q_lens == 1).nonzero().flatten()
-    return MixedStep(decode, starts[decode], q_lens.tolist(), starts.tolist(), seq_lens.tolist())
+def _mixed_step(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
+) -> MixedStep:
+    starts = query_start_loc[:-1].tolist()
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    lens = seq_lens.tolist()
+    seqs, rows, row_lens = [], [], []
+    for b, (start, q_len, seq_len) in enumerate(zip(starts, q_lens, lens, strict=True)):
+        if q_len <= MAX_DECODE_KERNEL_QUERY_LEN:
+            seqs += [b] * q_len
+            rows += range(start, start + q_len)
+            row_lens += range(seq_len - q_len + 1, seq_len + 1)
+    short = [1 if q <= MAX_DECODE_KERNEL_QUERY_LEN else q for q in q_lens]
+    return MixedStep(
+        torch.tensor(rows, dtype=torch.long),
+        block_tables[seqs],
+        torch.tensor(row_lens, dtype=torch.int32),
+        short,
+        starts,
+        lens,
+    )
 
 
 def paged_attention(
@@ -217,9 +246,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """See `conveyor.kernels.reference.paged_attention`: same arguments, layouts and result.
 
-    Decode rows (one query token) use the C++ kernel, which with a sliding window starts its walk at
-    the window's first key; a step of decodes only needs no host sync. Prefill rows use the reference's
-    `prefill_attention`, which gathers no block before the chunk's first window.
+    Decode rows (one query token), and each row of a sequence with at most MAX_DECODE_KERNEL_QUERY_LEN
+    (draft tokens, a short chunk) against the keys up to its own position, use the C++ kernel, which
+    with a sliding window starts its walk at the window's first key; a step of decodes only needs no
+    host sync. Longer prefill rows use the reference's `prefill_attention`, which gathers no block
+    before the chunk's first window.
     """
     check_window_and_soft_cap(sliding_window, logits_soft_cap)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -229,12 +260,13 @@ def paged_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, None, None, *options
         )
         return out
-    step = prepared if prepared is not None else _mixed_step(query_start_loc, seq_lens)
-    if step.decode.numel():
-        decode = (step.decode, step.decode_starts)
+    step = prepared if prepared is not None else _mixed_step(query_start_loc, seq_lens, block_tables)
+    if step.decode_rows.numel():
+        rows = step.decode_rows
         torch.ops.conveyor_cpu.paged_decode_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens, *decode, *options
-        )
+            out, query, key_cache, value_cache, step.decode_tables, step.decode_lens,
+            torch.arange(len(rows)), rows, *options,
+        )  # fmt: skip
     prefill_attention(
         out, query, key_cache, value_cache, block_tables, step.q_lens, step.starts, step.seq_lens, *options
     )

@@ -76,28 +76,40 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
   }
 }
 
-// Which query rows of the step decode (one token) and which sequences prefill (several), read once per
-// step from query_start_loc `[num_seqs + 1]` int32.
+// Sequences with at most this many query rows (draft tokens being verified, a short chunk) run through the
+// decode kernel one row at a time, as conveyor.kernels.cpu.MAX_DECODE_KERNEL_QUERY_LEN says (and why).
+constexpr int64_t kMaxDecodeKernelQueryLen = 16;
+
+// Which query rows of the step the decode kernel computes (one-token sequences, and every row of short
+// multi-row ones against the keys up to its own position) and which sequences prefill, read once per step
+// from query_start_loc `[num_seqs + 1]` int32, seq_lens `[num_seqs]` int32 and the block tables.
 struct StepLayout {
   bool all_decode = true;
-  Tensor decode_seqs, decode_rows;             // int64, empty when all_decode
+  // Empty when all_decode: the rows, their sequences' block tables `[D, max_blocks]` int32, the keys each
+  // row sees `[D]` int32, and 0..D-1 (the kernel's sequence index of each row).
+  Tensor decode_rows, decode_tables, decode_lens, decode_ids;
   std::vector<int64_t> prefill_seqs, starts, q_lens;
 };
 
-StepLayout step_layout(const Tensor& query_start_loc) {
+StepLayout step_layout(const Tensor& query_start_loc, const Tensor& seq_lens, const Tensor& block_tables) {
   const Tensor loc = query_start_loc.to(at::kLong).contiguous();
+  const Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t* lp = loc.data_ptr<int64_t>();
+  const int64_t* sp = lens.data_ptr<int64_t>();
   const int64_t num_seqs = loc.size(0) - 1;
   StepLayout layout;
-  std::vector<int64_t> seqs, rows;
+  std::vector<int64_t> seqs, rows, row_lens;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = lp[b + 1] - lp[b];
     TORCH_CHECK(q_len >= 1, "sequence ", b, " has no query rows in query_start_loc");
-    if (q_len == 1) {
-      seqs.push_back(b);
-      rows.push_back(lp[b]);
+    if (q_len > 1) layout.all_decode = false;
+    if (q_len <= kMaxDecodeKernelQueryLen) {
+      for (int64_t i = 0; i < q_len; ++i) {
+        seqs.push_back(b);
+        rows.push_back(lp[b] + i);
+        row_lens.push_back(sp[b] - q_len + 1 + i);
+      }
     } else {
-      layout.all_decode = false;
       layout.prefill_seqs.push_back(b);
       layout.starts.push_back(lp[b]);
       layout.q_lens.push_back(q_len);
@@ -105,8 +117,11 @@ StepLayout step_layout(const Tensor& query_start_loc) {
   }
   if (!layout.all_decode) {
     const auto opts = at::TensorOptions().dtype(at::kLong);
-    layout.decode_seqs = at::tensor(seqs, opts);
+    const Tensor seq_index = at::tensor(seqs, opts);
     layout.decode_rows = at::tensor(rows, opts);
+    layout.decode_tables = block_tables.index_select(0, seq_index).contiguous();
+    layout.decode_lens = at::tensor(row_lens, opts).to(at::kInt);
+    layout.decode_ids = at::arange(static_cast<int64_t>(rows.size()), opts);
   }
   return layout;
 }
@@ -199,7 +214,7 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
   const int64_t num_tokens = hidden.size(0);
   const int64_t head_dim = key_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const StepLayout layout = step_layout(query_start_loc);
+  const StepLayout layout = step_layout(query_start_loc, seq_lens, block_tables);
   const bool windows = std::any_of(sliding_windows.begin(), sliding_windows.end(), [](int64_t w) { return w > 0; });
   TORCH_CHECK(layout.all_decode || (!windows && !logits_soft_cap.has_value()),
               "a step with prefill rows of a model with sliding windows or soft caps runs the Python layers");
@@ -249,10 +264,10 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
       conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens,
                                             std::nullopt, std::nullopt, scale, layer_window, logits_soft_cap);
     } else {
-      if (layout.decode_seqs.numel() > 0) {
-        conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens,
-                                              layout.decode_seqs, layout.decode_rows, scale, std::nullopt,
-                                              std::nullopt);
+      if (layout.decode_rows.numel() > 0) {
+        conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], layout.decode_tables,
+                                              layout.decode_lens, layout.decode_ids, layout.decode_rows, scale,
+                                              std::nullopt, std::nullopt);
       }
       prefill_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens, layout, scale);
     }
