@@ -205,7 +205,9 @@ class LLMEngine:
         expert_tokens = None
         if not schedule.is_empty:
             try:
+                start = time.perf_counter()
                 result = self.runner.execute(schedule)
+                seconds = time.perf_counter() - start
             except Exception:
                 # A failed forward must not leave requests holding blocks: abort the step's requests.
                 for sched in schedule.scheduled:
@@ -215,6 +217,7 @@ class LLMEngine:
             self._record_step(schedule)
             sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
             if self.drafter is not None:
+                self.drafter.observe_step(schedule.scheduled, seconds)
                 for sched in schedule.scheduled:
                     if sched.spec_token_ids and sched.request.request_id in sampled:
                         accepted = len(sampled[sched.request.request_id]) - 1

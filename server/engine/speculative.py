@@ -18,7 +18,7 @@ inputs of their draft positions would depend on the drafts themselves).
 
 How many: a draft token costs compute in the step; it pays only when it is likely to be accepted and
 the step is not compute-bound already. With a step of T tokens costing `a + b * T` seconds (measured at
-start, `measure_step_cost`), a draft position j (1-based) of a request whose positions are accepted with
+start, `measure_step_cost`, then fitted to the decode steps as they run, `StepCost`), a draft position j (1-based) of a request whose positions are accepted with
 probability alpha is worth proposing when `alpha ** j >= b * T / (a + b * T)`: the chance it is used
 against its share of the step's time. So a lone sequence drafts up to `num_speculative_tokens` tokens,
 and a big batch (T large, the ratio near 1) stops drafting. alpha is each request's acceptance rate,
@@ -101,12 +101,39 @@ class NgramProposer:
         return tokens[best : best + max_tokens]
 
 
-@dataclass(frozen=True)
 class StepCost:
-    """A step of T tokens takes about `fixed + per_token * T` seconds (`measure_step_cost`)."""
+    """A step of T tokens (each with its logits) takes about `fixed + per_token * T` seconds: a weighted
+    least-squares line through two points measured at start (`measure_step_cost`, each weighted as
+    PRIOR_WEIGHT steps) and the decode steps seen since (`observe`, older ones decayed by DECAY per
+    step), so it follows what steps really cost here: long contexts, sampling, the machine's load."""
 
-    fixed: float
-    per_token: float
+    PRIOR_WEIGHT = 4.0
+    DECAY = 0.98
+
+    def __init__(self, points: list[tuple[int, float]]) -> None:
+        self._prior = [0.0] * 5
+        self._seen = [0.0] * 5  # decayed sums of 1, T, T^2, t, T * t
+        for num_tokens, seconds in points:
+            self._add(self._prior, num_tokens, seconds, self.PRIOR_WEIGHT)
+        self._solve()
+
+    @staticmethod
+    def _add(sums: list[float], num_tokens: int, seconds: float, weight: float) -> None:
+        for i, value in enumerate((1.0, num_tokens, num_tokens**2, seconds, num_tokens * seconds)):
+            sums[i] += weight * value
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One decode step of `num_tokens` tokens that took `seconds`."""
+        self._seen = [self.DECAY * v for v in self._seen]
+        self._add(self._seen, num_tokens, seconds, 1.0)
+        self._solve()
+
+    def _solve(self) -> None:
+        n, t, tt, y, ty = (a + b for a, b in zip(self._prior, self._seen, strict=True))
+        spread = n * tt - t * t
+        slope = (n * ty - t * y) / spread if spread > 0 else 0.0
+        self.per_token = max(slope, 0.0)
+        self.fixed = max((y - self.per_token * t) / n, 0.0)
 
     def draft_threshold(self, num_tokens: int) -> float:
         """The acceptance chance a draft position must reach in a step of `num_tokens` other tokens."""
@@ -115,8 +142,8 @@ class StepCost:
 
 
 def measure_step_cost(run, repeats: int = 3, num_tokens: int = 64) -> StepCost:
-    """Fit `StepCost` to the best of `repeats` timings of `run(1)` and `run(num_tokens)` (a forward of
-    that many tokens, `ModelRunner.profile`)."""
+    """The StepCost through the best of `repeats` timings of `run(1)` and `run(num_tokens)` (a forward
+    of that many tokens with the logits of each, `ModelRunner.profile(n, all_logits=True)`)."""
 
     def best(n: int) -> float:
         times = []
@@ -127,9 +154,7 @@ def measure_step_cost(run, repeats: int = 3, num_tokens: int = 64) -> StepCost:
         return min(times)
 
     best(1)  # warm-up
-    one, many = best(1), best(num_tokens)
-    per_token = max(many - one, 0.0) / max(num_tokens - 1, 1)
-    return StepCost(fixed=max(one - per_token, 0.0), per_token=per_token)
+    return StepCost([(1, best(1)), (num_tokens, best(num_tokens))])
 
 
 @dataclass
@@ -214,6 +239,14 @@ class Drafter:
         self.stats.add(num_drafted, num_accepted)
         self.total_draft_tokens += num_drafted
         self.total_accepted_tokens += num_accepted
+
+    def observe_step(self, scheduled: list, seconds: float) -> None:
+        """Time a step that took `seconds`, for the step cost, if every request in it decoded (a
+        prefill chunk's tokens cost differently: they skip the logits)."""
+        if self.step_cost is not None and all(
+            s.samples and s.num_new_tokens == 1 + len(s.spec_token_ids) for s in scheduled
+        ):
+            self.step_cost.observe(sum(s.num_new_tokens for s in scheduled), seconds)
 
     def take_stats(self) -> SpecDecodingStats | None:
         """The counts since the last call, or None when nothing was drafted."""

@@ -300,9 +300,11 @@ class ModelRunner:
         return RunnerOutput([s.request.request_id for s in sampling], token_ids, logprobs)
 
     @torch.inference_mode()
-    def profile(self, num_tokens: int) -> None:
+    def profile(self, num_tokens: int, all_logits: bool = False) -> None:
         """One forward pass of a single `num_tokens`-token prompt (on every rank), to measure peak
-        activation memory. The KV cache must hold at least `ceil(num_tokens / block_size)` blocks."""
+        activation memory, or with `all_logits` (logits of every token, as a step verifying draft
+        tokens computes them) a step's time. The KV cache must hold at least
+        `ceil(num_tokens / block_size)` blocks."""
         num_blocks = -(-num_tokens // self.block_size)
         inputs = ModelInput(
             input_ids=torch.zeros(num_tokens, dtype=torch.long),
@@ -315,7 +317,7 @@ class ModelRunner:
                 max_query_len=num_tokens,
                 max_seq_len=num_tokens,
             ),
-            logits_rows=torch.tensor([num_tokens - 1]),
+            logits_rows=torch.arange(num_tokens) if all_logits else torch.tensor([num_tokens - 1]),
         )
         if self.workers is not None:
             self.workers.tell("forward", inputs)

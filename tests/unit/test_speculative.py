@@ -41,7 +41,7 @@ def test_ngram_lookup_continues_the_latest_longest_match():
 def _drafter(**method) -> Drafter:
     config = SpeculativeMethod(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, **method)
     # A step costs 20 ms + 1 ms per token.
-    return Drafter(config, None if "disable_by_batch_size" in method else StepCost(0.020, 0.001))
+    return Drafter(config, None if "disable_by_batch_size" in method else StepCost([(1, 0.021), (64, 0.084)]))
 
 
 def test_drafts_stop_where_a_step_is_compute_bound_and_follow_acceptance():
