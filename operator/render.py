@@ -35,6 +35,7 @@ from conveyor.server.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
 )
 
 SERVER_PORT = 8000
@@ -227,6 +228,9 @@ def server_configs(spec: InferenceServiceSpec, plan: SpecPlan) -> ServeSettings:
             ),
             scheduler=SchedulerConfig(**scheduler),
             parallel=ParallelConfig(tensor_parallel_size=plan.tensor_parallel_size),
+            speculative=SpeculativeConfig(
+                speculative_config=engine.speculative.flag_value() if engine.speculative else None
+            ),
         ),
         server=ServerConfig(host="0.0.0.0", port=SERVER_PORT),
     )

@@ -8,6 +8,7 @@ rules the API server enforces are attached to the models as `x-kubernetes-valida
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -22,7 +23,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from conveyor.server.config import CacheConfig, SchedulerConfig
+from conveyor.server.config import CacheConfig, SchedulerConfig, SpeculativeMethod, parse_speculative_config
 
 GROUP = "serving.conveyor.dev"
 VERSION = "v1alpha1"
@@ -77,6 +78,7 @@ OWNED_FLAGS = {
     "--enable-chunked-prefill": "set engine.enableChunkedPrefill instead",
     "--no-enable-chunked-prefill": "set engine.enableChunkedPrefill instead",
     "--max-num-batched-tokens": "set engine.maxNumBatchedTokens instead",
+    "--speculative-config": "set engine.speculative instead",
 }
 _OWNED_FLAG_RE = "^(" + "|".join(OWNED_FLAGS) + ")(=.*)?$"  # flags need no escaping
 
@@ -325,6 +327,38 @@ def _server_field(config: type[BaseModel], name: str, description: str, default:
     return Field(default=info.default if default is ... else default, description=description, **bounds)
 
 
+class SpeculativeSpec(_CamelModel):
+    """Speculative decoding (`conveyor serve --speculative-config`, vLLM's keys): drafts verified in the
+    decode step. `ngram` drafts from the sequence's own earlier tokens, so it adds no weights and no KV
+    cache to the plan."""
+
+    method: Literal["ngram"] = Field(description="How drafts are proposed: ngram = prompt lookup.")
+    num_speculative_tokens: int = _server_field(
+        SpeculativeMethod, "num_speculative_tokens", "The most draft tokens per sequence and step."
+    )
+    prompt_lookup_min: int | None = _server_field(
+        SpeculativeMethod, "prompt_lookup_min", "Shortest n-gram matched (default: promptLookupMax)."
+    )
+    prompt_lookup_max: int | None = _server_field(
+        SpeculativeMethod, "prompt_lookup_max", "Longest n-gram matched (default: promptLookupMin, else 5)."
+    )
+    disable_by_batch_size: int | None = _server_field(
+        SpeculativeMethod,
+        "disable_by_batch_size",
+        "No drafts while more requests than this are running or waiting; default: the server drafts "
+        "where the step times it measures at start say drafts pay.",
+    )
+
+    @model_validator(mode="after")
+    def _server_accepts(self) -> SpeculativeSpec:
+        parse_speculative_config(self.flag_value())  # the rules between keys, as the server checks them
+        return self
+
+    def flag_value(self) -> str:
+        """The `--speculative-config` JSON (vLLM's snake_case keys; unset ones left out)."""
+        return json.dumps(self.model_dump(exclude_none=True))
+
+
 class EngineSpec(_CamelModel):
     """Server engine settings (`conveyor serve`'s bounds and defaults); unset ones come from the plan."""
 
@@ -349,6 +383,9 @@ class EngineSpec(_CamelModel):
     )
     enable_prefix_caching: bool = _server_field(
         CacheConfig, "enable_prefix_caching", "Share KV blocks of common prefixes."
+    )
+    speculative: SpeculativeSpec | None = Field(
+        default=None, description="Speculative decoding (--speculative-config); default: off."
     )
     extra_args: list[Annotated[str, StringConstraints(max_length=1024)]] = Field(
         default_factory=list,

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, get_args
 
@@ -445,6 +446,32 @@ def test_every_example_renders_arguments_the_server_accepts(path: Path) -> None:
     settings = parse_serve_argv(server_args(spec, plan)[1:])
     assert settings.engine.parallel.tensor_parallel_size == spec.tensor_parallel_size
     assert settings.engine.scheduler.max_num_seqs == plan.max_num_seqs
+
+
+def test_speculative_spec_renders_the_flag_the_server_parses_back() -> None:
+    from conveyor.server.cli import parse_serve_argv
+
+    speculative = {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMax": 4}
+    spec = _spec(engine={"speculative": speculative})
+    args = server_args(spec, plan_for_spec(spec))
+    assert json.loads(_flag(args, "--speculative-config")) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+    }
+    method = parse_serve_argv(args[1:]).engine.speculative.method
+    assert (method.num_speculative_tokens, method.prompt_lookup_min, method.prompt_lookup_max) == (3, 4, 4)
+    assert "--speculative-config" not in server_args(_spec(), plan_for_spec(_spec()))
+    # The server's rules hold in the resource: bounds from its config, and those between keys.
+    for bad, message in (
+        ({**speculative, "numSpeculativeTokens": 0}, "greater than or equal to 1"),
+        ({**speculative, "promptLookupMin": 5}, "prompt_lookup_min 5 is above prompt_lookup_max 4"),
+        ({**speculative, "method": "eagle"}, "'ngram'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _spec(engine={"speculative": bad})
+    with pytest.raises(ValueError, match="set engine.speculative instead"):
+        _spec(engine={"extraArgs": ["--speculative-config", "{}"]})
 
 
 def test_server_args_the_server_would_refuse_are_an_error_not_a_pod() -> None:
