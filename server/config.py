@@ -203,15 +203,26 @@ class LoRAConfig(_Config):
 class SpeculativeMethod(_Config):
     """The JSON object of `--speculative-config` (vLLM's keys). `ngram`: prompt lookup (Saxena, 2023;
     vLLM's `[ngram]`): the draft is the `num_speculative_tokens` tokens that followed the latest earlier
-    occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`."""
+    occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
+    `suffix`: suffix decoding (vLLM's `suffix`): the longest match of the sequence's suffix in its own
+    tokens or in recent requests' outputs (`suffix_decoding_*` keys)."""
 
-    method: Literal["ngram"] = Field(description="how drafts are proposed")
+    method: Literal["ngram", "suffix"] = Field(description="how drafts are proposed")
     num_speculative_tokens: int = Field(
         ge=1, le=16, description="the most draft tokens per sequence and step"
     )
     prompt_lookup_min: int | None = Field(None, ge=1, description="shortest n-gram matched (default: max)")
     prompt_lookup_max: int | None = Field(
         None, ge=1, description="longest n-gram matched (default: min, else 5)"
+    )
+    suffix_decoding_max_tree_depth: int = Field(
+        24, ge=2, le=1024, description="suffix: the longest suffix matched (tokens)"
+    )
+    suffix_decoding_max_cached_requests: int = Field(
+        10000, ge=0, description="suffix: finished requests whose outputs are kept to draft from"
+    )
+    suffix_decoding_max_spec_factor: float = Field(
+        1.0, gt=0, description="suffix: draft tokens per matched token, at most"
     )
     disable_by_batch_size: int | None = Field(
         None,

@@ -225,6 +225,10 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(schedule, sampled, self.max_model_len)
             logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))
             outputs = self.output_processor.process(updated, logprobs, self.scheduler.finish_request)
+            if self.drafter is not None:
+                for request, _, _ in updated:
+                    if request.is_finished:
+                        self.drafter.finished(request)
             expert_tokens = self.runner.take_expert_tokens()
         if self.observer is not None:
             stats = self.scheduler.make_stats(schedule)

@@ -11,9 +11,10 @@ Leviathan et al., ICML 2023, and Chen et al., 2023, so outputs keep the non-spec
 The longest accepted prefix plus one token from the model come out of the step; the K/V of rejected
 positions lies past `num_computed_tokens` and is overwritten later (`Scheduler.update_from_output`).
 
-Proposer: n-gram prompt lookup (vLLM's `ngram` method): the tokens that followed the latest earlier
+Proposers: n-gram prompt lookup (vLLM's `ngram` method): the tokens that followed the latest earlier
 occurrence of the sequence's last n tokens (prompt and output), n from `prompt_lookup_max` down to
-`prompt_lookup_min`. Requests with penalties or a structured-output grammar do not draft (the sampling
+`prompt_lookup_min`; suffix decoding (vLLM's `suffix`): the same over the sequence's own tokens and the
+outputs of recent finished requests, the draft's length following the match's. Requests with penalties or a structured-output grammar do not draft (the sampling
 inputs of their draft positions would depend on the drafts themselves).
 
 How many: a draft token costs compute in the step; it pays only when it is likely to be accepted and
@@ -63,6 +64,25 @@ class NgramIndex:
         self.indexed = max(self.indexed, len(tokens))
 
 
+def longest_match(
+    tokens: list[int], candidates: list[tuple[list[int], int]], n_min: int, n_max: int
+) -> tuple[list[int], int, int] | None:
+    """The candidate whose tokens before `end` match the longest suffix of `tokens` (at least `n_min`
+    tokens, which every candidate matches; at most `n_max`), latest first among equals: `(candidate
+    tokens, end, match length)`, or None without candidates. candidates: `(tokens, end)`, oldest first;
+    only the last _MAX_CANDIDATES are checked."""
+    best = None
+    for seq, end in reversed(candidates[-_MAX_CANDIDATES:]):
+        length = n_min
+        while length < n_max and end - length - 1 >= 0 and seq[end - length - 1] == tokens[-length - 1]:
+            length += 1
+        if best is None or length > best[2]:
+            best = (seq, end, length)
+        if length == n_max:
+            break
+    return best
+
+
 class NgramProposer:
     """Prompt lookup over a request's prompt and output. Per-request state lives on the request
     (`Request.draft_state`), so it goes when the request does."""
@@ -71,34 +91,97 @@ class NgramProposer:
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` draft tokens continuing `request.all_token_ids`, or [] when its last
-        `prompt_lookup_min` tokens occurred nowhere before."""
+    def own_match(self, request: Request) -> tuple[list[int], int, int] | None:
+        """The longest earlier occurrence of the request's suffix in its own tokens (`longest_match`)."""
         tokens = request.all_token_ids
-        if max_tokens <= 0 or len(tokens) <= self.n_min:
-            return []
+        if len(tokens) <= self.n_min:
+            return None
         index = request.draft_state
         if index is None:
             index = request.draft_state = NgramIndex(self.n_min)
         index.update(tokens)
-        candidates = index.positions.get(tuple(tokens[-self.n_min :]))
-        if not candidates:
+        ends = index.positions.get(tuple(tokens[-self.n_min :]), [])
+        return longest_match(
+            tokens, [(tokens, end) for end in ends[-_MAX_CANDIDATES:]], self.n_min, self.n_max
+        )
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` draft tokens continuing `request.all_token_ids`, or [] when its last
+        `prompt_lookup_min` tokens occurred nowhere before."""
+        match = self.own_match(request) if max_tokens > 0 else None
+        if match is None:
             return []
-        best, best_len = candidates[-1], self.n_min
-        for end in reversed(candidates[-_MAX_CANDIDATES:]):
-            # Extend the match backwards, up to n_max tokens; the latest of the longest wins.
-            length = self.n_min
-            while (
-                length < self.n_max
-                and end - length - 1 >= 0
-                and tokens[end - length - 1] == tokens[len(tokens) - length - 1]
-            ):
-                length += 1
-            if length > best_len:
-                best, best_len = end, length
-            if length == self.n_max:
-                break
-        return tokens[best : best + max_tokens]
+        seq, end, _ = match
+        return seq[end : end + max_tokens]
+
+    def finished(self, request: Request) -> None:
+        """Prompt lookup keeps nothing of finished requests."""
+
+    def clear(self) -> None:
+        """Nothing to forget."""
+
+
+class SuffixProposer(NgramProposer):
+    """Suffix decoding (SuffixDecoding, Oliaro et al., 2024; vLLM's `suffix`): the longest match of the
+    sequence's suffix, up to `max_depth` tokens, in its own tokens or in the outputs of the last
+    `max_cached_requests` finished requests (agentic and repeated traffic produces the same spans again),
+    drafting at most `max_spec_factor` tokens per matched token. Matches are found through an index of
+    2-grams rather than suffix trees; the longest match wins, its latest occurrence among equals."""
+
+    MIN_MATCH = 2
+
+    def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float) -> None:
+        super().__init__(self.MIN_MATCH, max_depth)
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.outputs: dict[int, list[int]] = {}  # cached outputs by insertion number, oldest first
+        self.positions: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # 2-gram -> (output, end)
+        self._next = 0
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` draft tokens, fewer where the match is short; [] without a match."""
+        if max_tokens <= 0:
+            return []
+        tokens = request.all_token_ids
+        matches = [self.own_match(request)]
+        if len(tokens) >= self.MIN_MATCH and self.outputs:
+            hits = self.positions.get(tuple(tokens[-self.MIN_MATCH :]), [])
+            cached = [(self.outputs[i], end) for i, end in hits[-_MAX_CANDIDATES:]]
+            matches.append(longest_match(tokens, cached, self.n_min, self.n_max))
+        found = [m for m in matches if m is not None]
+        if not found:
+            return []
+        seq, end, length = max(found, key=lambda m: m[2])  # the request's own match first among equals
+        return seq[end : end + min(max_tokens, max(1, int(self.max_spec_factor * length)))]
+
+    def finished(self, request: Request) -> None:
+        """Cache the output of a request that finished, dropping the oldest beyond the bound."""
+        output = list(request.output_token_ids)
+        if len(output) <= self.MIN_MATCH:
+            return
+        number, self._next = self._next, self._next + 1
+        self.outputs[number] = output
+        self._index(number, output, add=True)
+        if len(self.outputs) > self.max_cached_requests:
+            oldest = next(iter(self.outputs))
+            self._index(oldest, self.outputs.pop(oldest), add=False)
+
+    def clear(self) -> None:
+        """Forget every cached output."""
+        self.outputs.clear()
+        self.positions.clear()
+
+    def _index(self, number: int, output: list[int], add: bool) -> None:
+        n = self.MIN_MATCH
+        for end in range(n, len(output)):  # grams followed by at least one token
+            gram = tuple(output[end - n : end])
+            if add:
+                self.positions.setdefault(gram, []).append((number, end))
+                continue
+            entries = self.positions[gram]
+            entries.remove((number, end))
+            if not entries:
+                del self.positions[gram]
 
 
 class StepCost:
@@ -183,7 +266,15 @@ class Drafter:
     def __init__(self, method: SpeculativeMethod, step_cost: StepCost | None) -> None:
         self.method = method
         self.num_speculative_tokens = method.num_speculative_tokens
-        self.proposer = NgramProposer(method.prompt_lookup_min, method.prompt_lookup_max)
+        self.proposer = (
+            SuffixProposer(
+                method.suffix_decoding_max_tree_depth,
+                method.suffix_decoding_max_cached_requests,
+                method.suffix_decoding_max_spec_factor,
+            )
+            if method.method == "suffix"
+            else NgramProposer(method.prompt_lookup_min, method.prompt_lookup_max)
+        )
         self.step_cost = step_cost
         self.overall = _Acceptance()
         self.stats = SpecDecodingStats.empty(self.num_speculative_tokens)
@@ -239,6 +330,14 @@ class Drafter:
         self.stats.add(num_drafted, num_accepted)
         self.total_draft_tokens += num_drafted
         self.total_accepted_tokens += num_accepted
+
+    def finished(self, request: Request) -> None:
+        """A request finished (its output may seed later drafts)."""
+        self.proposer.finished(request)
+
+    def clear_cache(self) -> None:
+        """Forget the finished requests' outputs kept to draft from (the suffix method's)."""
+        self.proposer.clear()
 
     def observe_step(self, scheduled: list, seconds: float) -> None:
         """Time a step that took `seconds`, for the step cost, if every request in it decoded (a

@@ -210,3 +210,23 @@ def test_speculation_metrics_add_up(spec_engine):
     assert sum(per_pos) == accepted
     assert per_pos == sorted(per_pos, reverse=True)  # a position is accepted only after the one before
     assert not math.isnan(accepted)
+
+
+def test_suffix_decoding_drafts_from_earlier_answers_and_keeps_greedy_outputs(engine):
+    """The `suffix` method: a repeated question is answered from the first answer's tokens (what agents
+    and retries send), with the same greedy tokens as without speculation."""
+    from conveyor.server.api.metrics import EngineMetrics
+    from conveyor.server.engine.builder import build_engine
+
+    spec = {"method": "suffix", "num_speculative_tokens": 6, "disable_by_batch_size": 1000}
+    suffix = build_engine(engine_config(speculative={"speculative_config": json.dumps(spec)}), EngineMetrics)
+    ids = engine.tokenizer("Write a haiku about the sea and the moon.")["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    (plain,) = run(engine, [(ids, params)])
+    (first,) = run(suffix, [(ids, params)])
+    drafted_first = drafted(suffix)
+    (second,) = run(suffix, [(ids, params)])
+    assert first["tokens"] == second["tokens"] == plain["tokens"]
+    drafted_second = [b - a for a, b in zip(drafted_first, drafted(suffix), strict=True)]
+    # The second answer is drafted from the first: nearly every token accepted.
+    assert drafted_second[1] >= 24 > drafted_first[1]

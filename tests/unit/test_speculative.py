@@ -8,7 +8,7 @@ import pytest
 from conveyor.server.cli import ServeArgsError, parse_serve_argv
 from conveyor.server.config import SpeculativeMethod
 from conveyor.server.engine.request import Request
-from conveyor.server.engine.speculative import Drafter, NgramProposer, StepCost
+from conveyor.server.engine.speculative import Drafter, NgramProposer, StepCost, SuffixProposer
 from conveyor.server.messages import SamplingParams
 
 
@@ -36,6 +36,29 @@ def test_ngram_lookup_continues_the_latest_longest_match():
     r.append_output_tokens([9, 1])
     r.num_computed_tokens += 2
     assert proposer.propose(r, 2) == [9, 1]
+
+
+def test_suffix_decoding_drafts_from_earlier_outputs_and_forgets_the_oldest():
+    proposer = SuffixProposer(max_depth=8, max_cached_requests=2, max_spec_factor=1.0)
+    answer = [40, 41, 42, 43, 44, 45, 46, 47]
+    earlier = decoding([1, 2, 3, *answer], output=len(answer))
+    proposer.finished(earlier)
+    # A new request produces the start of the same answer: the cached output continues it, as long as
+    # the match (4 tokens: 40-43) allows.
+    r = decoding([9, 9, 40, 41, 42, 43], output=4)
+    assert proposer.propose(r, 8) == [44, 45, 46, 47]
+    # A match of 2 tokens drafts 2 (max_spec_factor 1), and 0.5 halves it.
+    assert proposer.propose(decoding([7, 7, 44, 45], output=2), 8) == [46, 47]
+    halved = SuffixProposer(max_depth=8, max_cached_requests=2, max_spec_factor=0.5)
+    halved.finished(earlier)
+    assert halved.propose(decoding([7, 7, 44, 45], output=2), 8) == [46]
+    # The request's own tokens still count: it repeats itself.
+    assert proposer.propose(decoding([5, 6, 7, 8, 5, 6, 7], output=3), 3) == [8, 5, 6]
+    # Two more finished requests push the first out of the cache.
+    for other in ([70, 71, 72], [80, 81, 82]):
+        proposer.finished(decoding(other, output=3))
+    assert proposer.propose(decoding([9, 9, 40, 41, 42, 43], output=4), 8) == []
+    assert all(number in proposer.outputs for number, _ in sum(proposer.positions.values(), []))
 
 
 def _drafter(**method) -> Drafter:
@@ -86,7 +109,9 @@ def test_drafts_respect_limits_and_skip_what_they_cannot_verify():
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "method: Input should be 'ngram'"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method: Input should be 'ngram' or 'suffix'"),
+        ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.1}',
+         "suffix_decoding_min_token_prob: Extra inputs are not permitted"),
         ('{"method": "ngram"}', "num_speculative_tokens: Field required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: Input should be greater"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
