@@ -328,11 +328,14 @@ def _server_field(config: type[BaseModel], name: str, description: str, default:
 
 
 class SpeculativeSpec(_CamelModel):
-    """Speculative decoding (`conveyor serve --speculative-config`, vLLM's keys): drafts verified in the
-    decode step. `ngram` drafts from the sequence's own earlier tokens, so it adds no weights and no KV
-    cache to the plan."""
+    """Speculative decoding (`conveyor serve --speculative-config`, vLLM's keys; unset ones take the
+    server's defaults): drafts verified in the decode step. `ngram` and `suffix` draft from tokens already
+    seen, so they add no weights and no KV cache to the plan."""
 
-    method: Literal["ngram"] = Field(description="How drafts are proposed: ngram = prompt lookup.")
+    method: Literal["ngram", "suffix"] = Field(
+        description="How drafts are proposed: ngram = prompt lookup; suffix = suffix decoding over the "
+        "sequence and recent requests' outputs."
+    )
     num_speculative_tokens: int = _server_field(
         SpeculativeMethod, "num_speculative_tokens", "The most draft tokens per sequence and step."
     )
@@ -341,6 +344,21 @@ class SpeculativeSpec(_CamelModel):
     )
     prompt_lookup_max: int | None = _server_field(
         SpeculativeMethod, "prompt_lookup_max", "Longest n-gram matched (default: promptLookupMin, else 5)."
+    )
+    suffix_decoding_max_tree_depth: int | None = _server_field(
+        SpeculativeMethod,
+        "suffix_decoding_max_tree_depth",
+        "suffix: the longest suffix matched (tokens).",
+        None,
+    )
+    suffix_decoding_max_cached_requests: int | None = _server_field(
+        SpeculativeMethod,
+        "suffix_decoding_max_cached_requests",
+        "suffix: finished requests whose outputs are kept to draft from.",
+        None,
+    )
+    suffix_decoding_max_spec_factor: float | None = _server_field(
+        SpeculativeMethod, "suffix_decoding_max_spec_factor", "suffix: draft tokens per matched token.", None
     )
     disable_by_batch_size: int | None = _server_field(
         SpeculativeMethod,

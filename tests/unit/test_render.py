@@ -470,6 +470,22 @@ def test_speculative_spec_renders_the_flag_the_server_parses_back() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             _spec(engine={"speculative": bad})
+    suffix = _spec(
+        engine={
+            "speculative": {"method": "suffix", "numSpeculativeTokens": 6, "suffixDecodingMaxTreeDepth": 32}
+        }
+    )
+    args = server_args(suffix, plan_for_spec(suffix))
+    method = parse_serve_argv(args[1:]).engine.speculative.method
+    assert (
+        method.method,
+        method.suffix_decoding_max_tree_depth,
+        method.suffix_decoding_max_cached_requests,
+    ) == (
+        "suffix",
+        32,
+        10000,
+    )
     with pytest.raises(ValueError, match="set engine.speculative instead"):
         _spec(engine={"extraArgs": ["--speculative-config", "{}"]})
 
