@@ -14,8 +14,9 @@ positions lies past `num_computed_tokens` and is overwritten later (`Scheduler.u
 Proposers: n-gram prompt lookup (vLLM's `ngram` method): the tokens that followed the latest earlier
 occurrence of the sequence's last n tokens (prompt and output), n from `prompt_lookup_max` down to
 `prompt_lookup_min`; suffix decoding (vLLM's `suffix`): the same over the sequence's own tokens and the
-outputs of recent finished requests, the draft's length following the match's. Requests with penalties or a structured-output grammar do not draft (the sampling
-inputs of their draft positions would depend on the drafts themselves).
+outputs of recent finished requests, the draft's length following the match's. At each draft
+position, penalties count the drafts before it as outputs and a structured-output grammar's mask is
+the grammar's after them (`structured_output.grammar_bitmask`).
 
 How many: a draft token costs compute in the step; it pays only when it is likely to be accepted and
 the step is not compute-bound already. With a step of T tokens costing `a + b * T` seconds (measured at
@@ -309,8 +310,6 @@ class Drafter:
             if lengths is None or request.num_tokens - request.num_computed_tokens != 1:
                 continue
             params = request.sampling_params
-            if request.grammar is not None or params.has_penalties:
-                continue
             room = min(
                 params.max_tokens - len(request.output_token_ids) - 1,
                 max_model_len - request.num_tokens - 1,

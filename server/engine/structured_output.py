@@ -183,14 +183,31 @@ class StructuredOutputManager:
 
 
 def grammar_bitmask(
-    matchers: list[xgr.GrammarMatcher | None], rows: list[int], vocab_size: int
+    matchers: list[xgr.GrammarMatcher | None],
+    rows: list[int],
+    vocab_size: int,
+    drafts_before: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """The tokens each constrained row's grammar allows next: xgrammar's `[len(matchers),
     ceil(vocab_size / 32)]` int32 bitmask, with `rows` (rows whose matcher is not None) filled and the
-    others left as allocated (all allowed). matchers[i] belongs to logits row i."""
+    others left as allocated (all allowed). matchers[i] belongs to logits row i. With
+    `drafts_before[i]` (speculative decoding), row i is the grammar's position after those draft
+    tokens: they are accepted, the row filled, and the matcher rolled back. A row whose drafts the
+    grammar refuses, or that ends it, is left all allowed: it is never used, since the row before it
+    rejects the refused draft, or the request ends at the draft."""
     bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
     for row in rows:
-        matchers[row].fill_next_token_bitmask(bitmask, row)
+        matcher = matchers[row]
+        drafts = drafts_before[row] if drafts_before else ()
+        accepted = 0
+        for token_id in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            accepted += 1
+        if accepted == len(drafts) and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask, row)
+        if accepted:
+            matcher.rollback(accepted)
     return bitmask
 
 

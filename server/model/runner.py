@@ -284,9 +284,12 @@ class ModelRunner:
                 [[lp] for lp in out.logprobs],
             )
         # Row j of a request with drafts d_1..d_k sees the request as if d_1..d_j were accepted.
-        rows = [(s.request, j) for s in sampling for j in range(len(s.spec_token_ids) + 1)]
         drafts = [d for s in sampling for d in [*s.spec_token_ids, -1]]
-        metadata = build_sampling_metadata([r for r, _ in rows], logits.shape[1], [j for _, j in rows])
+        metadata = build_sampling_metadata(
+            [s.request for s in sampling for _ in range(len(s.spec_token_ids) + 1)],
+            logits.shape[1],
+            [s.spec_token_ids[:j] for s in sampling for j in range(len(s.spec_token_ids) + 1)],
+        )
         out = sample(logits, metadata, torch.tensor(drafts))
         token_ids, logprobs, row = [], [], 0
         for s in sampling:
@@ -340,12 +343,13 @@ def fused_layer_loop(
 
 
 def build_sampling_metadata(
-    requests: list[Request], vocab_size: int, num_drafts_before: list[int] | None = None
+    requests: list[Request], vocab_size: int, drafts_before: list[list[int]] | None = None
 ) -> SamplingMetadata:
     """The sampling inputs of a step's sampling rows as tensors (vLLM v1's `SamplingMetadata`, which its
-    runner's input batch builds): requests[i] owns logits row i; `num_drafts_before[i]` draft tokens of
-    it precede that row (a request with drafts owns several rows; its drafts count as outputs for
-    `min_tokens`; requests with penalties or a grammar do not draft). logit_bias token ids must be in
+    runner's input batch builds): requests[i] owns logits row i; `drafts_before[i]`, the request's draft
+    tokens before that row (a request with drafts owns several rows), count as its outputs for
+    `min_tokens` and the penalties, and advance its grammar, since the row is used only where they are
+    accepted. logit_bias token ids must be in
     [0, vocab_size) (the API validates them); stop and EOS ids outside it are left out of the bans, and
     output ids outside it out of the penalties. Parts no row uses are None, so a step of plain greedy
     rows builds none of them."""
@@ -353,15 +357,17 @@ def build_sampling_metadata(
         i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated()
     ]
     bitmask = (
-        grammar_bitmask([r.grammar for r in requests], grammar_rows, vocab_size) if grammar_rows else None
+        grammar_bitmask([r.grammar for r in requests], grammar_rows, vocab_size, drafts_before)
+        if grammar_rows
+        else None
     )
     return SamplingMetadata(
         num_rows=len(requests),
         grammar_rows=grammar_rows,
         grammar_bitmask=bitmask,
         logit_bias=_logit_bias(requests),
-        penalties=_penalties(requests, vocab_size),
-        banned=_banned(requests, vocab_size, num_drafts_before or [0] * len(requests)),
+        penalties=_penalties(requests, vocab_size, drafts_before or [[]] * len(requests)),
+        banned=_banned(requests, vocab_size, drafts_before or [[]] * len(requests)),
         random=_truncation(requests, vocab_size),
         logprobs=[
             None if r.sampling_params.logprobs is None else min(r.sampling_params.logprobs, MAX_LOGPROBS)
@@ -389,7 +395,7 @@ def _logit_bias(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, to
     return rows, ids, values
 
 
-def _penalties(requests: list[Request], vocab_size: int) -> Penalties | None:
+def _penalties(requests: list[Request], vocab_size: int, drafts_before: list[list[int]]) -> Penalties | None:
     rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return None
@@ -409,24 +415,28 @@ def _penalties(requests: list[Request], vocab_size: int) -> Penalties | None:
     return Penalties(
         rows=torch.tensor(rows, dtype=torch.long),
         repetition=column([p.repetition_penalty for p in params]) if repetition else None,
-        seen=per_row_counts([requests[i].all_token_ids for i in rows]) > 0 if repetition else None,
+        seen=per_row_counts([requests[i].all_token_ids + drafts_before[i] for i in rows]) > 0
+        if repetition
+        else None,
         presence=column([p.presence_penalty for p in params]) if additive else None,
         frequency=column([p.frequency_penalty for p in params]) if additive else None,
         output_counts=(
-            per_row_counts([requests[i].output_token_ids for i in rows]).float() if additive else None
+            per_row_counts([requests[i].output_token_ids + drafts_before[i] for i in rows]).float()
+            if additive
+            else None
         ),
     )
 
 
 def _banned(
-    requests: list[Request], vocab_size: int, num_drafts_before: list[int]
+    requests: list[Request], vocab_size: int, drafts_before: list[list[int]]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Before `min_tokens` outputs, EOS and stop token ids cannot be sampled (vLLM's min_tokens). A
     request with a grammar is left to it: the grammar alone says when its output may end."""
     pairs = []
-    for row, (r, drafted) in enumerate(zip(requests, num_drafts_before, strict=True)):
+    for row, (r, drafts) in enumerate(zip(requests, drafts_before, strict=True)):
         p = r.sampling_params
-        if len(r.output_token_ids) + drafted < p.min_tokens and r.grammar is None:
+        if len(r.output_token_ids) + len(drafts) < p.min_tokens and r.grammar is None:
             ids = list(p.stop_token_ids)
             if r.eos_token_id is not None and not p.ignore_eos:
                 ids.append(r.eos_token_id)

@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram prompt lookup) on the real embedded model: with drafts verified in the
 step, greedy outputs are token for token the outputs without them (chunked prefill, preemption under a
-tiny KV pool, prefix caching, stop strings, logprobs), sampled outputs keep their distribution, no KV
+tiny KV pool, prefix caching, stop strings, logprobs, penalties), sampled outputs keep their distribution, no KV
 block leaks, and the counters add up. Also the stop-string rule of `min_tokens` (vllm#21987)."""
 
 from __future__ import annotations
@@ -120,12 +120,14 @@ def test_chunked_prefill_and_preemption_in_a_tiny_pool_keep_outputs_and_leak_no_
         spec_engine.kv_cache.reset_prefix_cache()  # the tiny pool's run overwrote cached blocks
 
 
-def test_stop_strings_and_logprobs_match_when_a_step_accepts_past_the_stop(engine, spec_engine):
+def test_stop_strings_logprobs_and_penalties_match_when_a_step_accepts_drafts(engine, spec_engine):
     prompts = prompt_ids(engine)
     cases = [
         SamplingParams(temperature=0.0, max_tokens=40, stop=["fox ran back"]),
         SamplingParams(temperature=0.0, max_tokens=40, stop=["depth"], include_stop_str_in_output=True),
         SamplingParams(temperature=0.0, max_tokens=7, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.4, presence_penalty=0.2),
     ]
     requests = [(ids, params) for params in cases for ids in prompts[:2]]
     plain, spec = run(engine, requests), run(spec_engine, requests)
@@ -230,3 +232,41 @@ def test_suffix_decoding_drafts_from_earlier_answers_and_keeps_greedy_outputs(en
     drafted_second = [b - a for a, b in zip(drafted_first, drafted(suffix), strict=True)]
     # The second answer is drafted from the first: nearly every token accepted.
     assert drafted_second[1] >= 24 > drafted_first[1]
+
+
+def test_structured_output_drafts_under_its_grammar_and_keeps_greedy_outputs(engine, spec_engine):
+    """A constrained request drafts too: each draft position is masked by the grammar as it stands after
+    the drafts before it, so outputs are the same tokens as without speculation, and valid."""
+    from conveyor.server.messages import StructuredOutputParams
+
+    fox = {"type": "string", "enum": ["red fox", "blue fox"]}
+    schema = {"type": "object", "properties": {k: fox for k in "abcd"}, "required": list("abcd")}
+    chat = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "List red fox, blue fox, red fox, blue fox, red fox as JSON items."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    ids = engine.tokenizer(chat, add_special_tokens=False)["input_ids"]
+    requests = [
+        (
+            ids,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=60,
+                structured_output=StructuredOutputParams("json", json.dumps(schema)),
+            ),
+        ),
+        (
+            ids,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=30,
+                structured_output=StructuredOutputParams("regex", "(fox ){3,8}"),
+            ),
+        ),
+    ]
+    before = drafted(spec_engine)
+    plain, spec = run(engine, requests), run(spec_engine, requests)
+    assert [r["tokens"] for r in spec] == [r["tokens"] for r in plain]
+    assert spec[0]["finish"].value == "stop" and set(json.loads(spec[0]["text"])) == set("abcd")
+    assert drafted(spec_engine)[1] > before[1]

@@ -183,5 +183,16 @@ def test_a_greedy_row_accepts_only_the_argmax_and_a_row_without_a_draft_samples(
 def test_min_tokens_bans_eos_at_draft_positions_still_short_of_it():
     logits = torch.tensor([[0.0, 5.0, 1.0]] * 3)  # EOS (1) is the argmax everywhere
     r = req(eos=1, output=[2], temperature=0, min_tokens=3)
-    metadata = build_sampling_metadata([r, r, r], 3, [0, 1, 2])
+    metadata = build_sampling_metadata([r, r, r], 3, [[], [2], [2, 2]])
     assert sampler.sample(logits, metadata, torch.tensor([2, 2, -1])).token_ids == [2, 2, 1]
+
+
+def test_penalties_at_draft_positions_count_the_drafts_before_them():
+    """Row j of a request verifying drafts sees drafts 1..j as outputs: a repetition penalty that turns
+    the argmax away from a token once it has been drafted, exactly as after it was generated."""
+    logits = torch.tensor([[0.0, 2.0, 1.9]] * 3)
+    r = req(prompt=(7,), temperature=0, repetition_penalty=2.0)  # no prompt token in the vocabulary
+    metadata = build_sampling_metadata([r, r, r], 3, [[], [1], [1, 2]])
+    out = sampler.sample(logits, metadata, torch.tensor([1, 2, -1]))
+    # Row 0: 1 wins; row 1: 1 seen (2.0 / 2 = 1.0), so 2 wins; row 2: both seen (1.0, 0.95): 1 wins.
+    assert out.accepted == [True, True, False] and out.token_ids == [1, 2, 1]

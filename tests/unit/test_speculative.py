@@ -91,15 +91,15 @@ def test_drafts_stop_where_a_step_is_compute_bound_and_follow_acceptance():
     assert stats.num_accepted_tokens_per_pos == [6, 6, 6, 6] and drafter.take_stats() is None
 
 
-def test_drafts_respect_limits_and_skip_what_they_cannot_verify():
+def test_drafts_respect_limits_and_wait_for_the_prefill():
     tokens = [1, 2, 3, 4] * 4
     drafter = _drafter(disable_by_batch_size=3)
     near_end = decoding(tokens, output=3, max_tokens=5)  # room for one more token after the next
-    penalised = decoding(tokens, repetition_penalty=1.2)
+    penalised = decoding(tokens, repetition_penalty=1.2)  # drafts too: its rows count the drafts
     prefilling = decoding(tokens)
     prefilling.num_computed_tokens = 4
     drafter.propose([near_end, penalised, prefilling], 0, 1000)
-    assert near_end.spec_token_ids == [1] and penalised.spec_token_ids == []
+    assert near_end.spec_token_ids == [1] and penalised.spec_token_ids == [1, 2, 3, 4]
     assert prefilling.spec_token_ids == []
     assert drafter.propose([near_end], 0, len(tokens) + 2) is None and near_end.spec_token_ids == [1]
     drafter.propose([near_end], 3, 1000)  # four requests: above disable_by_batch_size
