@@ -39,3 +39,4 @@ def test_sixteen_unique_prompts_under_preemption_have_no_prefix_hits(engine):
         assert kv.prefix_cache_hits == 0
     finally:
         engine.kv_cache, engine.scheduler = saved
+        engine.kv_cache.reset_prefix_cache()  # the small pool's run overwrote blocks the saved one caches
