@@ -468,7 +468,8 @@ class DecoderLayers:
         self.linears = spec.linears
         self.norm_weights = [w.detach() for w in spec.norm_weights]
         self.qk_norm_weights = [w.detach() for w in spec.qk_norm_weights]
-        # Masked and soft-capped prefill attention is the reference's; the C++ loop decodes them.
+        # Masked and soft-capped prefill attention is the reference's; the C++ loop runs such models'
+        # steps whose rows all go through the decode kernel (decodes, draft tokens, short chunks).
         self.decode_only = any(spec.sliding_windows) or spec.logits_soft_cap is not None
         # Row counts where some layer changes kernel: the steps between two of them share one list.
         self._bounds = sorted(
@@ -481,7 +482,7 @@ class DecoderLayers:
     def runs(self, max_query_len: int) -> bool:
         """True when a step whose longest query has `max_query_len` rows runs here (else the Python
         layers run it)."""
-        return max_query_len == 1 or not self.decode_only
+        return max_query_len <= MAX_DECODE_KERNEL_QUERY_LEN or not self.decode_only
 
     def _linears_for(self, rows: int) -> tuple[list, list, list, list]:
         """(weights, biases, kinds, out_features) of every linear layer for a step of `rows` rows."""

@@ -232,6 +232,14 @@ class SpeculativeMethod(_Config):
     )
 
     @model_validator(mode="after")
+    def _keys_of_the_method(self) -> SpeculativeMethod:
+        other = "suffix_decoding_" if self.method == "ngram" else "prompt_lookup_"
+        stray = sorted(k for k in self.model_fields_set if k.startswith(other))
+        if stray:
+            raise ValueError(f"{', '.join(stray)} do not apply to method {self.method!r}")
+        return self
+
+    @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeMethod:
         # vLLM's defaults: one bound given sets the other; neither gives 5 for both.
         low = self.prompt_lookup_min or self.prompt_lookup_max or 5

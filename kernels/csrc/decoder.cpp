@@ -187,7 +187,8 @@ Tensor gated_activation(const Tensor& gate_up, int64_t activation) {
 // token's slot (-1: the base model), given with them: each projection's output gets its adapters' deltas.
 //
 // Raises the kernels' errors (a position outside the rotary table, a slot outside the cache), and an
-// error for a step with prefill rows when a layer slides or scores are soft-capped.
+// error for a step with prefill rows past kMaxDecodeKernelQueryLen when a layer slides or scores are
+// soft-capped (the decode kernel applies both; prefill_attention neither).
 Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tensor& cos_sin_cache,
                       const std::optional<Tensor>& local_cos_sin_cache, at::TensorList norm_weights,
                       int64_t norms_per_layer, at::TensorList qk_norm_weights, at::TensorList linear_weights,
@@ -216,7 +217,7 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const StepLayout layout = step_layout(query_start_loc, seq_lens, block_tables);
   const bool windows = std::any_of(sliding_windows.begin(), sliding_windows.end(), [](int64_t w) { return w > 0; });
-  TORCH_CHECK(layout.all_decode || (!windows && !logits_soft_cap.has_value()),
+  TORCH_CHECK(layout.prefill_seqs.empty() || (!windows && !logits_soft_cap.has_value()),
               "a step with prefill rows of a model with sliding windows or soft caps runs the Python layers");
   const Tensor tables = block_tables.contiguous();
   const bool lora = !lora_a.empty() && lora_indices.has_value() && lora_indices->defined();
@@ -267,7 +268,7 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
       if (layout.decode_rows.numel() > 0) {
         conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], layout.decode_tables,
                                               layout.decode_lens, layout.decode_ids, layout.decode_rows, scale,
-                                              std::nullopt, std::nullopt);
+                                              layer_window, logits_soft_cap);
       }
       prefill_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens, layout, scale);
     }

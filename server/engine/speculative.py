@@ -30,6 +30,7 @@ drafting for a low rate sees its old misses fade each step, so it tries again la
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -225,20 +226,18 @@ class StepCost:
         return work / (self.fixed + work) if self.fixed + work > 0 else 1.0
 
 
-def measure_step_cost(run, repeats: int = 3, num_tokens: int = 64) -> StepCost:
-    """The StepCost through the best of `repeats` timings of `run(1)` and `run(num_tokens)` (a forward
-    of that many tokens with the logits of each, `ModelRunner.profile(n, all_logits=True)`)."""
-
-    def best(n: int) -> float:
-        times = []
-        for _ in range(repeats):
+def measure_step_cost(run, repeats: int = 5, num_tokens: int = 64) -> StepCost:
+    """The StepCost through the median of `repeats` timings of `run(1)` and of `run(num_tokens)` (a
+    forward of that many tokens with the logits of each, `ModelRunner.profile(n, all_logits=True)`),
+    taken in turn after one warm-up of each, so a busy moment of the machine shifts both alike."""
+    times: dict[int, list[float]] = {1: [], num_tokens: []}
+    for i in range(repeats + 1):
+        for n in times:
             start = time.perf_counter()
             run(n)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    best(1)  # warm-up
-    return StepCost([(1, best(1)), (num_tokens, best(num_tokens))])
+            if i:  # the first round warms up
+                times[n].append(time.perf_counter() - start)
+    return StepCost([(n, statistics.median(t)) for n, t in times.items()])
 
 
 @dataclass

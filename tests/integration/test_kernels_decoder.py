@@ -41,6 +41,28 @@ def _mixed_step() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     return ids, torch.tensor(positions), meta
 
 
+def _long_prefill_step() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Sequence 0 prefills 20 tokens (more rows than the decode kernel takes); sequence 1 decodes at
+    context 9."""
+    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 0, 0]], dtype=torch.int32)
+    positions = [*range(20), 8]
+    rows = [0] * 20 + [1]
+    slots = [
+        int(tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+        for b, p in zip(rows, positions, strict=True)
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=tables,
+        query_start_loc=torch.tensor([0, 20, 21], dtype=torch.int32),
+        seq_lens=torch.tensor([20, 9], dtype=torch.int32),
+        max_query_len=20,
+        max_seq_len=20,
+    )
+    ids = torch.randint(0, 300, (len(slots),), generator=torch.Generator().manual_seed(4))
+    return ids, torch.tensor(positions), meta
+
+
 def _decode_step() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Three decodes at contexts 5, 12 and 1."""
     seq_lens = [5, 12, 1]
@@ -166,19 +188,23 @@ def test_layer_loop_equals_the_python_layers(dtype: torch.dtype, linears: str, s
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("step", [_mixed_step, _decode_step], ids=["mixed", "decode"])
+@pytest.mark.parametrize(
+    "step", [_mixed_step, _decode_step, _long_prefill_step], ids=["mixed", "decode", "long-prefill"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
 def test_layer_loop_equals_the_python_layers_of_every_family(family: str, dtype: torch.dtype, step) -> None:
-    """Each family's features in the loop; a step with prefill rows of a model with sliding windows or
-    soft caps is the Python layers' to run, and the loop says so."""
+    """Each family's features in the loop, windows and soft caps included in steps whose multi-row
+    sequences are short (draft tokens, short chunks: the decode kernel's, row by row); a step with a
+    longer prefill of a model with sliding windows or soft caps is the Python layers' to run, and the
+    loop says so."""
     model = _model(
         dtype, "selected" if onednn.packing_supported(dtype, torch.device("cpu")) else "plain", family
     )
     ids, positions, meta = step()
     loop = fused_layer_loop(model, cpu, torch.device("cpu"))
     decode_only = model.shape.sliding_window is not None or model.shape.attn_logit_softcap is not None
-    if step is _mixed_step and decode_only:
+    if step is _long_prefill_step and decode_only:
         assert not loop.runs(meta.max_query_len)
         with torch.inference_mode(), pytest.raises(RuntimeError, match="runs the Python layers"):
             _fused_forward(loop, model, ids, positions, _caches(model, dtype), meta)
