@@ -126,7 +126,7 @@ def test_walkthrough_serves_scales_restarts_and_cleans_up(tmp_path: Path) -> Non
         prometheus.start()
         pods.start()
         cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.conveyor.dev")
+        cluster.wait_established("inferenceservices.serving.conveyor.dev")
         namespace = cluster.create_namespace("walkthrough")
         operator = Operator(
             cluster,

@@ -333,6 +333,30 @@ class LocalCluster:
             raise subprocess.CalledProcessError(result.returncode, command, result.stdout, result.stderr)
         return result
 
+    def wait_established(self, crd: str, timeout: float = 60.0) -> None:
+        """Wait until the CustomResourceDefinition named `crd` is Established. Right after an apply the
+        API server can still answer NotFound for it for a moment, which `kubectl wait` reports at once
+        rather than waiting; so it is retried until `timeout` seconds. Raises CalledProcessError with
+        kubectl's last answer when the time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(1, int(deadline - time.monotonic()))
+            result = self.kubectl(
+                "wait",
+                "--for=condition=Established",
+                f"crd/{crd}",
+                f"--timeout={left}s",
+                check=False,
+                timeout=left + 10,
+            )
+            if result.returncode == 0:
+                return
+            if time.monotonic() >= deadline:
+                raise subprocess.CalledProcessError(
+                    result.returncode, result.args, result.stdout, result.stderr
+                )
+            time.sleep(0.5)
+
     def add_nodes(self, pool: NodePool, timeout: float = 60.0) -> list[str]:
         """Create `pool.count` simulated nodes and wait until kwok reports them Ready; returns their names."""
         existing = set(self.node_names)

@@ -161,7 +161,7 @@ class AutoEnv(Env):
 def crd(k8s: LocalCluster) -> LocalCluster:
     """The cluster with the InferenceService CRD installed and established."""
     k8s.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-    k8s.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.conveyor.dev")
+    k8s.wait_established("inferenceservices.serving.conveyor.dev")
     return k8s
 
 
@@ -484,7 +484,7 @@ def keda_crd() -> Path:
 
 def test_keda_engine_renders_a_scaled_object_the_real_crd_accepts(auto: AutoEnv) -> None:
     auto.cluster.kubectl("apply", "--server-side", "-f", str(keda_crd()))
-    auto.cluster.kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh")
+    auto.cluster.wait_established("scaledobjects.keda.sh")
     try:
         # The operator's discovery cache may still say "no KEDA" for up to a minute.
         auto.apply(autoscaled("keda", engine="keda", minReplicas=0, targetTTFTSeconds=0.5))
@@ -512,7 +512,7 @@ def test_keda_engine_renders_a_scaled_object_the_real_crd_accepts(auto: AutoEnv)
 def test_a_scaled_object_with_keda_authentication_is_accepted_by_the_real_crd(k8s: LocalCluster) -> None:
     """The chart's `keda.*` settings (authenticationRef, authModes, pollingInterval), server-side dry run."""
     k8s.kubectl("apply", "--server-side", "-f", str(keda_crd()))
-    k8s.kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh")
+    k8s.wait_established("scaledobjects.keda.sh")
     namespace = k8s.create_namespace("keda")
     try:
         spec = parse_spec(

@@ -185,7 +185,7 @@ def test_helm_install_rbac_covers_the_operator(k8s: LocalCluster, tmp_path: Path
         kubeconfig=k8s.kubeconfig,
     )
     try:
-        k8s.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.conveyor.dev")
+        k8s.wait_established("inferenceservices.serving.conveyor.dev")
         service_account = f"system:serviceaccount:{namespace}:{release}"
         authorization = client.AuthorizationV1Api(k8s.api_client)
         denied = []
@@ -447,7 +447,7 @@ def test_monitoring_and_peering_objects_are_accepted_by_their_real_crds(
         "prometheusrules.monitoring.coreos.com",
         "kopfpeerings.kopf.dev",
     ):
-        k8s.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        k8s.wait_established(crd)
     namespace = k8s.create_namespace("monitoring")
     try:
         objects = rendered(

@@ -23,7 +23,7 @@ def fresh() -> Iterator[LocalCluster]:
     """Not the session's cluster, where other tests add nodes and install CRDs."""
     with LocalCluster() as cluster:
         cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.conveyor.dev")
+        cluster.wait_established("inferenceservices.serving.conveyor.dev")
         yield cluster
 
 

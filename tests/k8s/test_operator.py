@@ -38,7 +38,7 @@ def env(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     k8s.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
     k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
     for crd in ("inferenceservices.serving.conveyor.dev", "servicemonitors.monitoring.coreos.com"):
-        k8s.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        k8s.wait_established(crd)
     namespace = k8s.create_namespace("operator", labels=RESTRICTED)
     log_path = tmp_path_factory.mktemp("operator") / "operator.log"
     operator = Operator(k8s, namespace, log_path)

@@ -25,7 +25,7 @@ SERVICE_MONITOR_CRD_NAME = "servicemonitors.monitoring.coreos.com"
 @pytest.fixture(scope="module")
 def env(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     k8s.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-    k8s.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.conveyor.dev")
+    k8s.wait_established("inferenceservices.serving.conveyor.dev")
     namespace = k8s.create_namespace("failures")
     env = Env(k8s, namespace, Operator(k8s, namespace, tmp_path_factory.mktemp("operator") / "operator.log"))
     try:
@@ -37,7 +37,7 @@ def env(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def _install_service_monitor_crd(cluster: LocalCluster) -> None:
     cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{SERVICE_MONITOR_CRD_NAME}")
+    cluster.wait_established(SERVICE_MONITOR_CRD_NAME)
 
 
 def _events(env: Env, name: str, reason: str) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 @pytest.fixture(scope="module", autouse=True)
 def crd(k8s: LocalCluster) -> None:
     k8s.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-    k8s.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.conveyor.dev")
+    k8s.wait_established("inferenceservices.serving.conveyor.dev")
 
 
 def _rules(

@@ -72,7 +72,7 @@ def env(k8s: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "servicemonitors.monitoring.coreos.com",
         "inferencepools.inference.networking.k8s.io",
     ):
-        k8s.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        k8s.wait_established(crd)
     namespace = k8s.create_namespace("router", labels=RESTRICTED)
     tmp_path = tmp_path_factory.mktemp("router")
     kubeconfig, role_name = operator_kubeconfig(k8s, namespace, tmp_path)
