@@ -217,11 +217,7 @@ class LLMEngine:
             self._record_step(schedule)
             sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
             if self.drafter is not None:
-                self.drafter.observe_step(schedule.scheduled, seconds)
-                for sched in schedule.scheduled:
-                    if sched.spec_token_ids and sched.request.request_id in sampled:
-                        accepted = len(sampled[sched.request.request_id]) - 1
-                        self.drafter.record(sched.request, len(sched.spec_token_ids), accepted)
+                self.drafter.verified(schedule.scheduled, sampled, seconds)
             updated = self.scheduler.update_from_output(schedule, sampled, self.max_model_len)
             logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))
             outputs = self.output_processor.process(updated, logprobs, self.scheduler.finish_request)

@@ -337,7 +337,16 @@ class Drafter:
         """Forget the finished requests' outputs kept to draft from (the suffix method's)."""
         self.proposer.clear()
 
-    def observe_step(self, scheduled: list, seconds: float) -> None:
+    def verified(self, scheduled: list, sampled: dict[str, list[int]], seconds: float) -> None:
+        """Learn from a step that took `seconds`: each scheduled request's draft against its new tokens
+        (`sampled`, by request id: the accepted drafts, then one more), and the step's time."""
+        for sched in scheduled:
+            tokens = sampled.get(sched.request.request_id)
+            if sched.spec_token_ids and tokens:
+                self.record(sched.request, len(sched.spec_token_ids), len(tokens) - 1)
+        self._observe_step(scheduled, seconds)
+
+    def _observe_step(self, scheduled: list, seconds: float) -> None:
         """Time a step that took `seconds`, for the step cost, if every request in it decoded (a
         prefill chunk's tokens cost differently: they skip the logits)."""
         if self.step_cost is not None and all(

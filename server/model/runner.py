@@ -276,21 +276,15 @@ class ModelRunner:
         if logits is None:
             return RunnerOutput([], [], [])
         sampling = [s for s in schedule.scheduled if s.samples]
-        if not any(s.spec_token_ids for s in sampling):
-            out = sample(logits, build_sampling_metadata([s.request for s in sampling], logits.shape[1]))
-            return RunnerOutput(
-                [s.request.request_id for s in sampling],
-                [[t] for t in out.token_ids],
-                [[lp] for lp in out.logprobs],
-            )
         # Row j of a request with drafts d_1..d_k sees the request as if d_1..d_j were accepted.
-        drafts = [d for s in sampling for d in [*s.spec_token_ids, -1]]
         metadata = build_sampling_metadata(
             [s.request for s in sampling for _ in range(len(s.spec_token_ids) + 1)],
             logits.shape[1],
             [s.spec_token_ids[:j] for s in sampling for j in range(len(s.spec_token_ids) + 1)],
         )
-        out = sample(logits, metadata, torch.tensor(drafts))
+        drafts = [d for s in sampling for d in [*s.spec_token_ids, -1]]
+        has_drafts = len(drafts) > len(sampling)
+        out = sample(logits, metadata, torch.tensor(drafts) if has_drafts else None)
         token_ids, logprobs, row = [], [], 0
         for s in sampling:
             # The accepted drafts, then the model's token at the first rejected position (or after all).
