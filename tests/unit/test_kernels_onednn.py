@@ -57,10 +57,16 @@ def test_packed_linear_matches_linear(num_tokens: int, bias: bool):
 
 @needs_bf16_onednn
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_pack_linear_layers_keeps_the_model_output(tie: bool):
+def test_onednn_layers_keep_the_model_output(tie: bool, monkeypatch):
+    """The kernel selection with oneDNN named for every layer (`CONVEYOR_CPU_KERNELS`) packs each linear
+    layer, the LM head included, and the logits stay those of the plain layers."""
+    from conveyor.kernels import selection
+
+    monkeypatch.setenv(selection.OVERRIDE_ENV, "onednn")
     model = tiny_llama(tie, torch.bfloat16)
     packed = tiny_llama(tie, torch.bfloat16)  # same seed, same weights
-    assert onednn.pack_linear_layers(packed) == 4 * 2 + 1  # qkv, o, gate_up, down per layer + LM head
+    selection.select_linear_kernels(packed, torch.bfloat16, panel=False)
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    assert sum(isinstance(m, onednn.PackedLinear) for m in packed.modules()) == 4 * 2 + 1
     assert packed.embed_tokens.weight.dtype == torch.bfloat16  # lookups keep the plain table
     torch.testing.assert_close(forward_logits(packed, torch.bfloat16), forward_logits(model, torch.bfloat16))
