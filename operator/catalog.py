@@ -35,14 +35,14 @@ class UnknownGPUTypeError(LookupError):
 class UnknownModelError(LookupError):
     """A model the catalog does not know, with its shape not (fully) given in the spec."""
 
-    def __init__(self, model_name: str, missing: list[str]) -> None:
+    def __init__(self, model_name: str, missing: list[str], what: str = "model") -> None:
         self.model_name = model_name
         self.missing = missing
         known = ", ".join(sorted(MODELS))
         if missing:
-            message = f"unknown model {model_name!r}: set model.{', model.'.join(missing)} in the spec or use a known model ({known})"
+            message = f"unknown {what} {model_name!r}: set model.{', model.'.join(missing)} in the spec or use a known model ({known})"
         else:
-            message = f"unknown model {model_name!r}; known models: {known}"
+            message = f"unknown {what} {model_name!r}; known models: {known}"
         super().__init__(message)
 
 

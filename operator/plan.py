@@ -24,6 +24,7 @@ from conveyor.operator.catalog import (
     UnknownModelError,
     hf_config,
     lookup_gpu,
+    lookup_model,
     resolve_model_shape,
 )
 from conveyor.operator.spec import InferenceServiceSpec, validation_message
@@ -31,6 +32,7 @@ from conveyor.server.capacity import (
     CapacityPlan,
     InsufficientGPUMemoryError,
     dtype_bytes,
+    kv_bytes_per_token,
     partition,
     plan_capacity,
 )
@@ -112,6 +114,7 @@ class SpecPlan:
     gpu_memory_utilization: float
     capacity: CapacityPlan
     max_num_seqs: int
+    draft_model: ModelShape | None = None
 
 
 def parse_quantity(quantity: str) -> int:
@@ -174,6 +177,13 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
     dtype = AUTO_DTYPE if model.dtype == "auto" else model.dtype
     num_gpus = resources.gpus_per_replica
     weight_bytes = shape.num_params * dtype_bytes(dtype)
+    draft = _draft_shape(spec)
+    draft_kv_bytes_per_token = 0
+    if draft is not None:  # its weights and its K/V per token (one rank) join the target's
+        weight_bytes += draft.num_params * dtype_bytes(dtype)
+        draft_kv_bytes_per_token = kv_bytes_per_token(
+            draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype
+        )
     reserve = ACTIVATION_RESERVE_BYTES_PER_GPU * num_gpus
     utilization = spec.engine.gpu_memory_utilization
     capacity = plan_capacity(
@@ -189,6 +199,7 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
         tensor_parallel_size=spec.tensor_parallel_size,
         activation_reserve_bytes=reserve,
         block_size=spec.engine.block_size,
+        draft_kv_bytes_per_token=draft_kv_bytes_per_token,
     )
     if capacity.max_num_seqs < 1:
         one_sequence = capacity.kv_bytes_per_token * spec.tensor_parallel_size * model.max_model_len
@@ -207,7 +218,25 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
         gpu_memory_utilization=utilization,
         capacity=capacity,
         max_num_seqs=spec.engine.max_num_seqs or capacity.max_num_seqs,
+        draft_model=draft,
     )
+
+
+def _draft_shape(spec: InferenceServiceSpec) -> ModelShape | None:
+    """The catalog shape of `engine.speculative.model`, the speculative draft model (None without one).
+    Raises UnknownModelError naming the field, TensorParallelSizeError above one rank (the server runs
+    a draft model on one)."""
+    speculative = spec.engine.speculative
+    if speculative is None or speculative.model is None:
+        return None
+    if spec.tensor_parallel_size > 1:
+        raise TensorParallelSizeError(
+            f"engine.speculative.model runs on one rank; tensor parallel size is {spec.tensor_parallel_size}"
+        )
+    shape = lookup_model(speculative.model)
+    if shape is None:
+        raise UnknownModelError(speculative.model, [], what="draft model (engine.speculative.model)")
+    return shape
 
 
 def format_plan(plan: SpecPlan) -> str:
@@ -239,6 +268,17 @@ def format_plan(plan: SpecPlan) -> str:
         ),
         ("dtype", f"{plan.dtype} ({dtype_bytes(plan.dtype)} bytes)"),
         ("usable memory", f"{usable / GiB:.2f} GiB (gpu_memory_utilization {plan.gpu_memory_utilization})"),
+        *(
+            [
+                (
+                    "draft model",
+                    f"{plan.draft_model.name} ({plan.draft_model.num_layers} layers, "
+                    f"{plan.draft_model.num_params / 1e9:.2f}B params): its weights and K/V are counted",
+                )
+            ]
+            if plan.draft_model
+            else []
+        ),
         ("weights", f"{plan.weight_bytes / GiB:.2f} GiB"),
         ("activation reserve", f"{plan.activation_reserve_bytes / GiB:.2f} GiB"),
         ("kv pool", f"{cap.kv_pool_bytes / GiB:.2f} GiB"),

@@ -330,11 +330,20 @@ def _server_field(config: type[BaseModel], name: str, description: str, default:
 class SpeculativeSpec(_CamelModel):
     """Speculative decoding (`conveyor serve --speculative-config`, vLLM's keys; unset ones take the
     server's defaults): drafts verified in the decode step. `ngram` and `suffix` draft from tokens already
-    seen, so they add no weights and no KV cache to the plan."""
+    seen, so they add no weights and no KV cache to the plan; a `draft_model` adds its weights and its
+    K/V per token (the plan reads its shape from the catalog)."""
 
-    method: Literal["ngram", "suffix"] = Field(
+    method: Literal["ngram", "suffix", "draft_model"] | None = Field(
+        default=None,
         description="How drafts are proposed: ngram = prompt lookup; suffix = suffix decoding over the "
-        "sequence and recent requests' outputs."
+        "sequence and recent requests' outputs; draft_model = a smaller model with the same tokenizer "
+        "(the default when model is set).",
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="draft_model: the draft model, a Hugging Face id the server downloads or a path in "
+        "the server container (e.g. under the model cache volume); the catalog must know its shape.",
     )
     num_speculative_tokens: int = _server_field(
         SpeculativeMethod, "num_speculative_tokens", "The most draft tokens per sequence and step."

@@ -103,19 +103,22 @@ def plan_capacity(
     tensor_parallel_size: int | None = None,
     activation_reserve_bytes: int = 0,
     block_size: int = 16,
+    draft_kv_bytes_per_token: int = 0,
 ) -> CapacityPlan:
     """Size the KV pool of one replica of `num_gpus` GPUs.
 
-    gpu_memory_bytes: memory of one GPU. weight_bytes: all weights of the replica.
-    tensor_parallel_size defaults to `num_gpus`. Raises InsufficientGPUMemoryError when the weights and
-    reserve do not fit, ValueError on nonsensical inputs.
+    gpu_memory_bytes: memory of one GPU. weight_bytes: all weights of the replica (a draft model's
+    included). tensor_parallel_size defaults to `num_gpus`. draft_kv_bytes_per_token: a speculative
+    draft model's K/V per token (it runs on one rank, tensor_parallel_size 1), held beside the target's
+    in the same blocks. Raises InsufficientGPUMemoryError when the weights and reserve do not fit,
+    ValueError on nonsensical inputs.
     """
     tp = num_gpus if tensor_parallel_size is None else tensor_parallel_size
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if max_model_len < 1 or block_size < 1 or num_gpus < 1:
         raise ValueError("max_model_len, block_size and num_gpus must be >= 1")
-    per_gpu = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, tp)
+    per_gpu = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, tp) + draft_kv_bytes_per_token
     usable = int(gpu_memory_bytes * gpu_memory_utilization * num_gpus)
     required = weight_bytes + activation_reserve_bytes
     if required >= usable:

@@ -205,9 +205,20 @@ class SpeculativeMethod(_Config):
     vLLM's `[ngram]`): the draft is the `num_speculative_tokens` tokens that followed the latest earlier
     occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
     `suffix`: suffix decoding (vLLM's `suffix`): the longest match of the sequence's suffix in its own
-    tokens or in recent requests' outputs (`suffix_decoding_*` keys)."""
+    tokens or in recent requests' outputs (`suffix_decoding_*` keys). `draft_model` (vLLM's, the method
+    when only `model` is given): a smaller model with the same vocabulary drafts greedily, one forward per
+    draft token, over its own KV cache in the target's blocks."""
 
-    method: Literal["ngram", "suffix"] = Field(description="how drafts are proposed")
+    method: Literal["ngram", "suffix", "draft_model"] = Field(description="how drafts are proposed")
+    model: str | None = Field(
+        None,
+        min_length=1,
+        description="draft_model: the draft model (a name, a local directory or a Hugging Face id, as "
+        "--model); it must have the target's vocabulary",
+    )
+    draft_tensor_parallel_size: int = Field(
+        1, ge=1, le=1, description="draft_model: ranks of the draft model (it runs on one)"
+    )
     num_speculative_tokens: int = Field(
         ge=1, le=16, description="the most draft tokens per sequence and step"
     )
@@ -231,12 +242,28 @@ class SpeculativeMethod(_Config):
         "drafts only where the step times it measured at start say drafts pay",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _method_of_a_model(cls, data):
+        # vLLM's default: a config that names a draft model and no method drafts with that model.
+        if isinstance(data, dict) and "method" not in data and data.get("model") is not None:
+            return {**data, "method": "draft_model"}
+        return data
+
     @model_validator(mode="after")
     def _keys_of_the_method(self) -> SpeculativeMethod:
-        other = "suffix_decoding_" if self.method == "ngram" else "prompt_lookup_"
-        stray = sorted(k for k in self.model_fields_set if k.startswith(other))
+        own = {"ngram": "prompt_lookup_", "suffix": "suffix_decoding_", "draft_model": "draft_"}[self.method]
+        keyed = ("prompt_lookup_", "suffix_decoding_", "draft_")
+        stray = sorted(
+            k
+            for k in self.model_fields_set
+            if (k.startswith(keyed) and not k.startswith(own))
+            or (k == "model" and self.method != "draft_model")
+        )
         if stray:
             raise ValueError(f"{', '.join(stray)} do not apply to method {self.method!r}")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("method 'draft_model' needs the draft model's `model`")
         return self
 
     @model_validator(mode="after")
@@ -374,4 +401,9 @@ class EngineConfig(_Config):
     def _speculation_runs(self) -> EngineConfig:
         if self.speculative.speculative_config is not None and self.scheduler.scheduling == "static":
             raise ValueError("--speculative-config needs --scheduling continuous")
+        method = self.speculative.method
+        if method is not None and method.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "--speculative-config with a draft model runs on one rank: use --tensor-parallel-size 1"
+            )
         return self

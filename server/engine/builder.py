@@ -1,8 +1,9 @@
 """Assembles an engine from an EngineConfig (vLLM's `EngineCore.__init__`, nano-vllm's
 `ModelRunner.__init__`), in order: device -> model source and config -> dtype -> kernel backend ->
 tokenizer -> tensor-parallel workers -> weights (loaded, then packed for the backend) -> model runner
-(with LoRA slots, and the `--lora-modules` adapters read) -> KV pool (measured on CUDA, `--kv-cache-memory` on CPU) -> limits (`max_model_len`, `max_num_seqs`) ->
-the engine. Every choice made here is logged once; every refusal is a ValueError naming the flag.
+(with LoRA slots, and the `--lora-modules` adapters read) -> a speculative draft model's runner -> KV
+pool (measured on CUDA, `--kv-cache-memory` on CPU) -> limits (`max_model_len`, `max_num_seqs`) ->
+drafter -> the engine. Every choice made here is logged once; every refusal is a ValueError naming the flag.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from conveyor.kernels import onednn, pack_weights, select_backend
 from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB, check_prompt_fits_step
+from conveyor.server.engine.draft_model import DraftModel
 from conveyor.server.engine.engine import LLMEngine
 from conveyor.server.engine.lora import LoRARegistry
 from conveyor.server.engine.speculative import Drafter, measure_step_cost
@@ -131,12 +133,13 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             weights, weight_bytes = loader.weights_info(model)
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
         lora = _lora_registry(config, runner, shape)
-        kv_bytes_per_token = capacity.kv_bytes_per_token(
-            shape.num_layers,
-            shape.num_kv_heads,
-            shape.head_dim,
-            str(dtype).removeprefix("torch."),
-            tp.size if tp else 1,
+        draft_runner = _draft_runner(config, shape, tokenizer, max_model_len, dtype, device, ops)
+        # A draft model's K/V sits in the target's blocks: a pooled token holds both.
+        kv_shapes = [shape] + ([draft_runner.model.shape] if draft_runner else [])
+        dtype_name, ranks = str(dtype).removeprefix("torch."), tp.size if tp else 1
+        kv_bytes_per_token = sum(
+            capacity.kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype_name, ranks)
+            for s in kv_shapes
         )
         if cc.kv_cache_memory:
             pool_bytes = cc.kv_cache_memory
@@ -174,7 +177,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             max_num_seqs,
         )
         runner.allocate_kv_cache(num_blocks)
-        drafter = _drafter(config, runner, num_blocks)
+        drafter = _drafter(config, runner, draft_runner, num_blocks)
         limits = EngineLimits(
             cc.block_size,
             num_blocks,
@@ -229,25 +232,76 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegi
     return registry
 
 
-def _drafter(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> Drafter | None:
+def _draft_runner(
+    config: EngineConfig, shape: ModelShape | GenericShape, tokenizer, max_model_len: int, dtype, device, ops
+) -> ModelRunner | None:
+    """With `--speculative-config` naming a draft model: its runner (weights loaded with the target's
+    dtype, kernel backend and `--load-format`, no KV cache yet); None otherwise. Raises ValueError naming
+    the key when the draft cannot serve this target: not conveyor's own decoder, another vocabulary, or
+    fewer positions than max_model_len."""
+    method = config.speculative.method
+    if method is None or method.method != "draft_model":
+        return None
+    mc = config.model
+    source = loader.converted(loader.resolve_model(method.model))
+    hf_config = loader.load_config(source)
+    try:
+        loader.choose_impl("native", hf_config)
+    except ValueError as exc:
+        raise ValueError(f"--speculative-config model: {exc}") from None
+    draft_shape = ModelShape.from_hf_config(hf_config)
+    draft_vocab = loader.load_tokenizer(source, mc.load_format).get_vocab()
+    if draft_shape.vocab_size != shape.vocab_size or draft_vocab != tokenizer.get_vocab():
+        raise ValueError(
+            f"--speculative-config model {method.model!r} has another vocabulary than the target "
+            f"({draft_shape.vocab_size} vs {shape.vocab_size} ids, or other tokens): a draft model must "
+            "share the target's tokenizer"
+        )
+    if draft_shape.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"--speculative-config model {method.model!r} has {draft_shape.max_position_embeddings} "
+            f"positions, fewer than max_model_len {max_model_len}: lower --max-model-len"
+        )
+    draft = loader.load_model(source, hf_config, dtype, device, ops, mc.load_format)
+    _, weight_bytes = loader.weights_info(draft)
+    logger.info(
+        "draft model %s: %.1f MiB of weights; %s",
+        method.model,
+        weight_bytes / (1 << 20),
+        pack_weights(draft, ops, dtype, device),
+    )
+    return ModelRunner(draft, ops, config.cache.block_size, dtype, device)
+
+
+def _drafter(
+    config: EngineConfig, runner: ModelRunner, draft_runner: ModelRunner | None, num_blocks: int
+) -> Drafter | None:
     """With --speculative-config: the drafter, with the step costs it sizes drafts by measured on this
-    machine (a few forwards over the just-allocated KV cache) unless `disable_by_batch_size` is set."""
+    machine (a few forwards over the just-allocated KV cache) unless `disable_by_batch_size` is set.
+    A draft model's KV cache is allocated here (`num_blocks`, the target's) and its forwards timed."""
     method = config.speculative.method
     if method is None:
         return None
+    num_tokens = min(64, num_blocks * config.cache.block_size)
+    draft_model = None
+    if draft_runner is not None:
+        draft_runner.allocate_kv_cache(num_blocks)
+        draft_model = DraftModel(draft_runner, measure_step_cost(draft_runner.profile, num_tokens=num_tokens))
     step_cost = None
     if method.disable_by_batch_size is None:
-        step_cost = measure_step_cost(
-            runner.profile, num_tokens=min(64, num_blocks * config.cache.block_size)
-        )
+        step_cost = measure_step_cost(runner.profile, num_tokens=num_tokens)
         logger.info(
-            "speculative decoding: %s, up to %d draft tokens; a step costs %.2f ms + %.3f ms per token",
+            "speculative decoding: %s, up to %d draft tokens; a step costs %.2f ms + %.3f ms per token%s",
             method.method,
             method.num_speculative_tokens,
             step_cost.fixed * 1e3,
             step_cost.per_token * 1e3,
+            ""
+            if draft_model is None
+            else f"; a draft forward {draft_model.cost.fixed * 1e3:.2f} ms + "
+            f"{draft_model.cost.per_token * 1e3:.3f} ms per token",
         )
-    return Drafter(method, step_cost)
+    return Drafter(method, step_cost, draft_model)
 
 
 def release_freed_memory() -> None:

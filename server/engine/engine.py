@@ -205,11 +205,14 @@ class LLMEngine:
         expert_tokens = None
         if not schedule.is_empty:
             try:
+                if self.drafter is not None:
+                    self.drafter.fill(schedule.scheduled)  # a draft model's tokens, now that blocks are held
                 start = time.perf_counter()
                 result = self.runner.execute(schedule)
                 seconds = time.perf_counter() - start
             except Exception:
-                # A failed forward must not leave requests holding blocks: abort the step's requests.
+                # A failed forward (the draft's or the model's) must not leave requests holding blocks:
+                # abort the step's requests.
                 for sched in schedule.scheduled:
                     self.scheduler.finish_request(sched.request, FinishReason.ABORT)
                     self.output_processor.discard(sched.request.request_id)

@@ -147,6 +147,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.draft_state = None  # a draft model's K/V went with the blocks
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(request)

@@ -89,6 +89,8 @@ class NgramProposer:
     """Prompt lookup over a request's prompt and output. Per-request state lives on the request
     (`Request.draft_state`), so it goes when the request does."""
 
+    cost = None  # drafting takes no model forward
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max
@@ -115,6 +117,9 @@ class NgramProposer:
             return []
         seq, end, _ = match
         return seq[end : end + max_tokens]
+
+    def fill(self, scheduled: list) -> None:
+        """The drafts are final when proposed."""
 
     def finished(self, request: Request) -> None:
         """Prompt lookup keeps nothing of finished requests."""
@@ -220,10 +225,15 @@ class StepCost:
         self.per_token = max(slope, 0.0)
         self.fixed = max((y - self.per_token * t) / n, 0.0)
 
-    def draft_threshold(self, num_tokens: int) -> float:
-        """The acceptance chance a draft position must reach in a step of `num_tokens` other tokens."""
+    def draft_threshold(self, num_tokens: int, draft: StepCost | None = None) -> float:
+        """The acceptance chance a draft position must reach in a step of `num_tokens` other tokens: its
+        cost (this step's time per token, plus with a draft model `draft` that model's time per token
+        and its share of one forward over `num_tokens` requests) over the step's time per token."""
         work = self.per_token * num_tokens
-        return work / (self.fixed + work) if self.fixed + work > 0 else 1.0
+        cost = self.per_token
+        if draft is not None:
+            cost += draft.per_token + draft.fixed / max(num_tokens, 1)
+        return min(cost * num_tokens / (self.fixed + work), 1.0) if self.fixed + work > 0 else 1.0
 
 
 def measure_step_cost(run, repeats: int = 5, num_tokens: int = 64) -> StepCost:
@@ -260,21 +270,26 @@ class Drafter:
 
     method: the parsed `--speculative-config`. step_cost: the machine's step times, for the adaptive
     draft length; None when `disable_by_batch_size` is set (drafting then stops above that many
-    requests, vLLM's rule, and otherwise always drafts up to `num_speculative_tokens`).
+    requests, vLLM's rule, and otherwise always drafts up to `num_speculative_tokens`). draft_model:
+    the proposer of the `draft_model` method (`draft_model.DraftModel`, built with the draft's runner);
+    the n-gram and suffix proposers are made here.
     """
 
-    def __init__(self, method: SpeculativeMethod, step_cost: StepCost | None) -> None:
+    def __init__(self, method: SpeculativeMethod, step_cost: StepCost | None, draft_model=None) -> None:
         self.method = method
         self.num_speculative_tokens = method.num_speculative_tokens
-        self.proposer = (
-            SuffixProposer(
+        if method.method == "draft_model":
+            if draft_model is None:
+                raise ValueError("the draft_model method needs the draft model's runner")
+            self.proposer = draft_model
+        elif method.method == "suffix":
+            self.proposer = SuffixProposer(
                 method.suffix_decoding_max_tree_depth,
                 method.suffix_decoding_max_cached_requests,
                 method.suffix_decoding_max_spec_factor,
             )
-            if method.method == "suffix"
-            else NgramProposer(method.prompt_lookup_min, method.prompt_lookup_max)
-        )
+        else:
+            self.proposer = NgramProposer(method.prompt_lookup_min, method.prompt_lookup_max)
         self.step_cost = step_cost
         self.overall = _Acceptance()
         self.stats = SpecDecodingStats.empty(self.num_speculative_tokens)
@@ -286,7 +301,9 @@ class Drafter:
         limit = self.method.disable_by_batch_size
         if limit is not None:
             return None if len(running) + num_waiting > limit else {}
-        threshold = self.step_cost.draft_threshold(len(running)) if self.step_cost else 0.0
+        threshold = (
+            self.step_cost.draft_threshold(len(running), self.proposer.cost) if self.step_cost else 0.0
+        )
         prior = self.overall.rate(_PRIOR_ACCEPTANCE)
         lengths = {}
         for request in running:
@@ -315,6 +332,11 @@ class Drafter:
                 lengths.get(request.request_id, self.num_speculative_tokens),
             )
             request.spec_token_ids = self.proposer.propose(request, room)
+
+    def fill(self, scheduled: list) -> None:
+        """After scheduling: write the drafts a draft model only reserved in `propose` (the scheduled
+        requests' `spec_token_ids`, as the scheduler trimmed them)."""
+        self.proposer.fill(scheduled)
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """Learn from one verification: `num_accepted` of the request's `num_drafted` draft tokens."""

@@ -154,57 +154,32 @@ class ModelRunner:
         without padding, in schedule order; with `lora_slots` (adapter uid -> slot), each token's
         adapter slot."""
         scheduled = schedule.scheduled
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        max_blocks = max(len(s.request.block_table) for s in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for row, sched in enumerate(scheduled):
+        rows = []
+        for sched in scheduled:
             request = sched.request
             start = request.num_computed_tokens
-            end = start + sched.num_new_tokens
-            input_ids.extend(request.all_token_ids[start : end - len(sched.spec_token_ids)])
-            input_ids.extend(sched.spec_token_ids)
-            pos = np.arange(start, end)
-            table = np.asarray(request.block_table, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + sched.num_new_tokens)
-            seq_lens.append(end)
-            block_tables[row, : len(table)] = table
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
-            block_tables=torch.from_numpy(block_tables),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            max_query_len=max(s.num_new_tokens for s in scheduled),
-            max_seq_len=max(seq_lens),
-        )
+            known = request.all_token_ids[start : start + sched.num_new_tokens - len(sched.spec_token_ids)]
+            rows.append((known + sched.spec_token_ids, start, request.block_table))
+        inputs = pack_rows(rows, self.block_size)
         # The last known token and every draft token of each sampling request are sampled.
-        rows = [
-            row
-            for i, s in enumerate(scheduled)
-            if s.samples
-            for row in range(query_start_loc[i + 1] - 1 - len(s.spec_token_ids), query_start_loc[i + 1])
-        ]
-        lora_indices = None
+        ends = inputs.meta.query_start_loc.tolist()[1:]
+        inputs.logits_rows = torch.tensor(
+            [
+                row
+                for end, s in zip(ends, scheduled, strict=True)
+                if s.samples
+                for row in range(end - 1 - len(s.spec_token_ids), end)
+            ],
+            dtype=torch.long,
+        )
         if lora_slots:
-            lora_indices = torch.from_numpy(
+            inputs.lora_indices = torch.from_numpy(
                 np.repeat(
                     [-1 if s.request.lora is None else lora_slots[s.request.lora.uid] for s in scheduled],
                     [s.num_new_tokens for s in scheduled],
                 ).astype(np.int64)
             )
-        return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long),
-            positions=torch.from_numpy(np.concatenate(positions)),
-            meta=meta,
-            logits_rows=torch.tensor(rows, dtype=torch.long),
-            lora_indices=lora_indices,
-        )
+        return inputs
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInput) -> torch.Tensor | None:
@@ -319,6 +294,42 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.tell("forward", inputs)
         self.forward(inputs)
+
+
+def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int) -> ModelInput:
+    """One packed batch of `rows`, each (token ids, the position of the first, the sequence's block table
+    of `block_size`-token blocks covering every position written): their K/V go to the slots the tables
+    give, and the logits of each row's last token are computed (`logits_rows`)."""
+    input_ids: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    block_tables = np.zeros((len(rows), max(len(table) for _, _, table in rows)), dtype=np.int32)
+    for row, (tokens, start, block_table) in enumerate(rows):
+        end = start + len(tokens)
+        input_ids.extend(tokens)
+        pos = np.arange(start, end)
+        table = np.asarray(block_table, dtype=np.int64)
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        query_start_loc.append(end - start + query_start_loc[-1])
+        seq_lens.append(end)
+        block_tables[row, : len(table)] = table
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(slots)),
+        block_tables=torch.from_numpy(block_tables),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        max_query_len=max(len(tokens) for tokens, _, _ in rows),
+        max_seq_len=max(seq_lens),
+    )
+    return ModelInput(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.from_numpy(np.concatenate(positions)),
+        meta=meta,
+        logits_rows=torch.tensor(query_start_loc[1:], dtype=torch.long) - 1,
+    )
 
 
 def fused_layer_loop(

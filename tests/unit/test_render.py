@@ -9,7 +9,8 @@ from typing import Any, get_args
 import pytest
 import yaml
 
-from conveyor.operator.plan import plan_for_spec
+from conveyor.operator.catalog import UnknownModelError
+from conveyor.operator.plan import TensorParallelSizeError, format_plan, plan_for_spec
 from conveyor.operator.render import (
     KedaSettings,
     Owner,
@@ -1000,3 +1001,32 @@ def test_keda_settings_reach_every_trigger() -> None:
             "name": "prometheus-token",
             "kind": "ClusterTriggerAuthentication",
         }
+
+
+def test_a_draft_model_is_rendered_and_planned_with_its_weights_and_kv() -> None:
+    from conveyor.server.capacity import kv_bytes_per_token
+    from conveyor.server.cli import parse_serve_argv
+
+    speculative = {"model": "meta-llama/Llama-3.2-1B-Instruct", "numSpeculativeTokens": 4}
+    spec = _spec(model={"name": "llama-3.1-8b", "uri": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+                 engine={"speculative": speculative})  # fmt: skip
+    plain = _spec(model={"name": "llama-3.1-8b", "uri": "hf://meta-llama/Llama-3.1-8B-Instruct"})
+    plan, before = plan_for_spec(spec), plan_for_spec(plain)
+    method = parse_serve_argv(server_args(spec, plan)[1:]).engine.speculative.method
+    assert (method.method, method.model) == ("draft_model", "meta-llama/Llama-3.2-1B-Instruct")
+    draft = plan.draft_model
+    assert draft is not None and draft.name == "llama-3.2-1b"
+    assert plan.weight_bytes == before.weight_bytes + draft.num_params * 2
+    draft_kv = kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, "bfloat16")
+    assert plan.capacity.kv_bytes_per_token == before.capacity.kv_bytes_per_token + draft_kv
+    assert plan.capacity.num_kv_blocks < before.capacity.num_kv_blocks
+    assert "draft model" in format_plan(plan)
+    with pytest.raises(
+        UnknownModelError, match=r"unknown draft model \(engine.speculative.model\) 'org/tiny'"
+    ):
+        plan_for_spec(_spec(engine={"speculative": {**speculative, "model": "org/tiny"}}))
+    two_ranks = _spec(
+        engine={"speculative": speculative}, resources={"gpuType": "a100-80gb", "gpusPerReplica": 2}
+    )
+    with pytest.raises(TensorParallelSizeError, match="engine.speculative.model runs on one rank"):
+        plan_for_spec(two_ranks)

@@ -109,7 +109,15 @@ def test_drafts_respect_limits_and_wait_for_the_prefill():
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "method: Input should be 'ngram' or 'suffix'"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}',
+         "method: Input should be 'ngram', 'suffix' or 'draft_model'"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs the draft model's `model`"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "m"}',
+         "model do not apply to method 'ngram'"),
+        ('{"model": "m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+         "prompt_lookup_max do not apply to method 'draft_model'"),
+        ('{"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}',
+         "draft_tensor_parallel_size: Input should be less than or equal to 1"),
         ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.1}',
          "suffix_decoding_min_token_prob: Extra inputs are not permitted"),
         ('{"method": "ngram"}', "num_speculative_tokens: Field required"),
@@ -146,3 +154,30 @@ def test_speculation_needs_continuous_batching_and_takes_vllm_defaults():
     assert (method.prompt_lookup_min, method.prompt_lookup_max) == (5, 5)
     method = SpeculativeMethod(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)
     assert (method.prompt_lookup_min, method.prompt_lookup_max) == (3, 3)
+
+
+def test_a_draft_model_is_the_method_of_a_config_naming_one_and_runs_on_one_rank():
+    method = parse_serve_argv(
+        ["--speculative-config", '{"model": "/models/draft", "num_speculative_tokens": 3}']
+    ).engine.speculative.method
+    assert (method.method, method.model, method.num_speculative_tokens) == ("draft_model", "/models/draft", 3)
+    with pytest.raises(ServeArgsError, match="with a draft model runs on one rank"):
+        parse_serve_argv(
+            [
+                "--tensor-parallel-size",
+                "2",
+                "--speculative-config",
+                '{"model": "/models/draft", "num_speculative_tokens": 3}',
+            ]
+        )
+
+
+def test_a_draft_model_charges_each_draft_position_its_forwards():
+    target = StepCost([(1, 0.021), (64, 0.084)])  # 20 ms + 1 ms per token
+    draft = StepCost([(1, 0.0055), (64, 0.0118)])  # 5.4 ms + 0.1 ms per token
+    assert target.draft_threshold(1) == pytest.approx(1 / 21)
+    # One request: 1 ms of the target, 0.1 ms of the draft and a whole draft forward, of 21 ms.
+    assert target.draft_threshold(1, draft) == pytest.approx((1 + 0.1 + 5.4) / 21)
+    # 64 requests share each draft forward; the step is compute-bound already.
+    assert target.draft_threshold(64, draft) == pytest.approx((1 + 0.1 + 5.4 / 64) * 64 / 84)
+    assert target.draft_threshold(1000, draft) == 1.0
