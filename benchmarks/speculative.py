@@ -2,13 +2,16 @@
 machine, in one run.
 
     python -m conveyor.benchmarks.speculative [--concurrency 1 4 16] [--workloads repetitive main]
-        [--methods ngram suffix draft_model] [--draft-model DIR | --draft-layers 22] [--requests 16]
-        [--vllm] [--json FILE]
+        [--methods ngram suffix draft_model] [--draft-model DIR | --draft-layers 22]
+        [--draft-quantization gguf] [--target-layers 90] [--requests 16] [--vllm] [--json FILE]
 
 The embedded model (SmolLM2-135M-Instruct, float32, or `--dtype`), one engine per mode (plain, and each
-of `--methods`; `draft_model` drafts with `--draft-model`, by default the embedded model's first
-`--draft-layers` layers, `embedded_draft`), driven in process; the suffix method's cache of earlier answers is emptied before each
-row, so within a row it drafts from the row's own earlier answers (each task comes up 4 times). Two workloads:
+of `--methods`), driven in process. `draft_model` drafts with `--draft-model`, by default the embedded
+model's first `--draft-layers` layers (`embedded_draft`); `--target-layers` replaces the target by the
+embedded model padded with pass-through layers (`padded_target`), against which a draft cut from the
+embedded model is cheap, as a real draft is against a real larger target. The suffix method's cache of
+earlier answers is emptied before each row, so within a row it drafts from the row's own earlier
+answers (each task comes up 4 times). Two workloads:
 - `repetitive`: chat prompts whose answers copy spans of the prompt (repeat a passage, edit code, fix a
   list), greedy, up to `--max-tokens` tokens, ending at EOS as a user's would;
 - `main`: the `sharegpt-like` dataset's random-token prompts (long-tailed lengths, exact output lengths,
@@ -16,7 +19,7 @@ row, so within a row it drafts from the row's own earlier answers (each task com
 Each runs closed-loop at each `--concurrency` (that many requests in flight, a new one as one ends) and
 offline (every request queued at once). Reported per mode: output tokens per second, median TPOT
 ((last token - first token) / (tokens - 1), per request), the draft acceptance rate, and the ratios of
-speculative over plain measured in the same run. The issue's targets: >= 1.8x lower TPOT at
+speculative over plain measured in the same run. The targets: >= 1.8x lower TPOT at
 concurrency 1 on `repetitive`, and >= 0.97x plain's offline throughput on `main`. `--vllm` adds conveyor
 and vLLM's CPU build (installed as `make bench-peers` does) over HTTP, each without and with the same
 n-gram settings, one request at a time on the repetitive tasks (`--workloads` with no name skips the
@@ -68,6 +71,35 @@ def embedded_draft(num_layers: int, directory: str) -> str:
     source = loader.converted(loader.resolve_model(None))
     model = transformers.AutoModelForCausalLM.from_pretrained(source.path, num_hidden_layers=num_layers)
     model.save_pretrained(directory)
+    transformers.AutoTokenizer.from_pretrained(source.path).save_pretrained(directory)
+    return directory
+
+
+def padded_target(num_layers: int, directory: str) -> str:
+    """Save the embedded model with pass-through layers appended up to `num_layers` (random weights
+    but zero output projections, so the residual stream passes unchanged) with its tokenizer under
+    `directory`, and return it: a target that computes the embedded model's function at about
+    `num_layers / 30` of its cost, against which a draft model cut from the embedded model is cheap,
+    as a real draft is against a real, larger target."""
+    import torch
+    import transformers
+
+    from conveyor.server.model import loader
+
+    source = loader.converted(loader.resolve_model(None))
+    base = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    config = base.config
+    first_pass_through = config.num_hidden_layers
+    config.num_hidden_layers = num_layers
+    target = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = target.state_dict()
+    for name, value in base.state_dict().items():
+        state[name].copy_(value)
+    for i in range(first_pass_through, num_layers):
+        state[f"model.layers.{i}.self_attn.o_proj.weight"].zero_()
+        state[f"model.layers.{i}.mlp.down_proj.weight"].zero_()
+    target.load_state_dict(state)
+    target.save_pretrained(directory)
     transformers.AutoTokenizer.from_pretrained(source.path).save_pretrained(directory)
     return directory
 
@@ -133,12 +165,21 @@ def measure(args: argparse.Namespace) -> dict:
     if "draft_model" in args.methods:
         draft = args.draft_model or embedded_draft(args.draft_layers, tempfile.mkdtemp(prefix="draft-"))
         specs["draft_model"] = {"model": draft, "num_speculative_tokens": args.num_speculative_tokens}
-    results: dict = {"speculative_config": {m: specs[m] for m in args.methods}, "rows": []}
+        if args.draft_quantization:
+            specs["draft_model"]["quantization"] = args.draft_quantization
+    target = None
+    if args.target_layers:
+        target = padded_target(args.target_layers, tempfile.mkdtemp(prefix="target-"))
+    results: dict = {
+        "speculative_config": {m: specs[m] for m in args.methods},
+        "target_layers": args.target_layers,
+        "rows": [],
+    }
     engines = {}
     for mode in ("plain", *args.methods):
         engines[mode] = build_engine(
             EngineConfig(
-                model=ModelConfig(dtype=args.dtype),
+                model=ModelConfig(model=target, dtype=args.dtype, max_model_len=args.max_model_len),
                 scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency + [args.requests])),
                 speculative=SpeculativeConfig(
                     speculative_config=json.dumps(specs[mode]) if mode in specs else None
@@ -285,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         "--draft-model", help="draft_model: the draft (default: the embedded model cut to --draft-layers)"
     )
     parser.add_argument("--draft-layers", type=int, default=22, help="layers of the embedded draft (of 30)")
+    parser.add_argument("--draft-quantization", help="the draft's `quantization` key (gguf, int8)")
+    parser.add_argument(
+        "--target-layers",
+        type=int,
+        help="the target: the embedded model padded with pass-through layers to this many (default: the "
+        "embedded model itself)",
+    )
+    parser.add_argument("--max-model-len", type=int, help="the engines' --max-model-len")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(

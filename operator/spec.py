@@ -23,7 +23,13 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from conveyor.server.config import CacheConfig, SchedulerConfig, SpeculativeMethod, parse_speculative_config
+from conveyor.server.config import (
+    CacheConfig,
+    Quantization,
+    SchedulerConfig,
+    SpeculativeMethod,
+    parse_speculative_config,
+)
 
 GROUP = "serving.conveyor.dev"
 VERSION = "v1alpha1"
@@ -344,6 +350,12 @@ class SpeculativeSpec(_CamelModel):
         min_length=1,
         description="draft_model: the draft model, a Hugging Face id the server downloads or a path in "
         "the server container (e.g. under the model cache volume); the catalog must know its shape.",
+    )
+    quantization: Quantization = _server_field(
+        SpeculativeMethod,
+        "quantization",
+        "draft_model: the draft's weights as --quantization takes them (gguf, int8); the plan counts "
+        "them unquantized.",
     )
     num_speculative_tokens: int = _server_field(
         SpeculativeMethod, "num_speculative_tokens", "The most draft tokens per sequence and step."

@@ -18,6 +18,10 @@ class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# `--quantization`'s values (a draft model's `quantization` takes them too).
+Quantization = Literal["gguf", "int8", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"] | None
+
+
 class ModelConfig(_Config):
     """Which model to load and how."""
 
@@ -37,9 +41,7 @@ class ModelConfig(_Config):
         description="weight and activation dtype; auto = on CPU bfloat16 where it is native (AVX512_BF16 "
         "or AMX), else float32; on CUDA the model's half dtype",
     )
-    quantization: (
-        Literal["gguf", "int8", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"] | None
-    ) = Field(
+    quantization: Quantization = Field(
         None,
         description="gguf = serve a .gguf model's weights in its quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, "
         "Q8_0, Q4_K, Q5_K, Q6_K), a fraction of the float size; int8 = quantize any checkpoint's linear "
@@ -219,6 +221,11 @@ class SpeculativeMethod(_Config):
     draft_tensor_parallel_size: int = Field(
         1, ge=1, le=1, description="draft_model: ranks of the draft model (it runs on one)"
     )
+    quantization: Quantization = Field(
+        None,
+        description="draft_model: the draft's weights as --quantization takes them (gguf: a .gguf draft's "
+        "own blocks; int8: quantized at load); default: as loaded, in --dtype",
+    )
     num_speculative_tokens: int = Field(
         ge=1, le=16, description="the most draft tokens per sequence and step"
     )
@@ -258,7 +265,7 @@ class SpeculativeMethod(_Config):
             k
             for k in self.model_fields_set
             if (k.startswith(keyed) and not k.startswith(own))
-            or (k == "model" and self.method != "draft_model")
+            or (k in ("model", "quantization") and self.method != "draft_model")
         )
         if stray:
             raise ValueError(f"{', '.join(stray)} do not apply to method {self.method!r}")

@@ -133,7 +133,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             weights, weight_bytes = loader.weights_info(model)
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
         lora = _lora_registry(config, runner, shape)
-        draft_runner = _draft_runner(config, shape, tokenizer, max_model_len, dtype, device, ops)
+        draft_runner = _draft_runner(config, shape, tokenizer, max_model_len, dtype, device, backend, ops)
         # A draft model's K/V sits in the target's blocks: a pooled token holds both.
         kv_shapes = [shape] + ([draft_runner.model.shape] if draft_runner else [])
         dtype_name, ranks = str(dtype).removeprefix("torch."), tp.size if tp else 1
@@ -233,17 +233,31 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegi
 
 
 def _draft_runner(
-    config: EngineConfig, shape: ModelShape | GenericShape, tokenizer, max_model_len: int, dtype, device, ops
+    config: EngineConfig,
+    shape: ModelShape | GenericShape,
+    tokenizer,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str,
+    ops,
 ) -> ModelRunner | None:
     """With `--speculative-config` naming a draft model: its runner (weights loaded with the target's
-    dtype, kernel backend and `--load-format`, no KV cache yet); None otherwise. Raises ValueError naming
-    the key when the draft cannot serve this target: not conveyor's own decoder, another vocabulary, or
-    fewer positions than max_model_len."""
+    dtype, kernel backend and `--load-format`, quantized as its `quantization` key says, no KV cache
+    yet); None otherwise. Raises ValueError naming the key when the draft cannot serve this target: not
+    conveyor's own decoder, another vocabulary, fewer positions than max_model_len, or a quantization
+    this start cannot serve."""
     method = config.speculative.method
     if method is None or method.method != "draft_model":
         return None
     mc = config.model
-    source = loader.converted(loader.resolve_model(method.model))
+    source = loader.converted(
+        loader.resolve_model(method.model), weights=method.quantization in (None, "int8")
+    )
+    try:
+        loader.check_quantization(method.quantization, source, device, backend, 1, mc.load_format)
+    except ValueError as exc:
+        raise ValueError(f"--speculative-config quantization: {exc}") from None
     hf_config = loader.load_config(source)
     try:
         loader.choose_impl("native", hf_config)
@@ -262,7 +276,9 @@ def _draft_runner(
             f"--speculative-config model {method.model!r} has {draft_shape.max_position_embeddings} "
             f"positions, fewer than max_model_len {max_model_len}: lower --max-model-len"
         )
-    draft = loader.load_model(source, hf_config, dtype, device, ops, mc.load_format)
+    draft = loader.load_model(
+        source, hf_config, dtype, device, ops, mc.load_format, None, method.quantization
+    )
     _, weight_bytes = loader.weights_info(draft)
     logger.info(
         "draft model %s: %.1f MiB of weights; %s",

@@ -36,15 +36,18 @@ PENDING = -1
 
 @dataclass
 class DraftKV:
-    """The tokens whose draft-model K/V are written at positions 0..len-1 of the request's blocks."""
+    """The tokens whose draft-model K/V are written at positions 0..len-1 of the request's blocks; the
+    first `known` of them were the request's own tokens when written (the rest are draft tokens)."""
 
     tokens: list[int] = field(default_factory=list)
+    known: int = 0
 
     def valid(self, request: Request) -> int:
         """Positions whose draft K/V still hold: the common prefix with the request's tokens, within the
-        target's computed positions (later ones were rejected drafts)."""
+        target's computed positions (later ones were rejected drafts). A request's tokens only grow at
+        the end, so only the draft tokens past `known` are compared."""
         limit = min(len(self.tokens), request.num_computed_tokens)
-        n = 0
+        n = min(self.known, limit)
         while n < limit and self.tokens[n] == request.all_token_ids[n]:
             n += 1
         return n
@@ -58,6 +61,11 @@ class DraftModel:
     def __init__(self, runner: ModelRunner, cost: StepCost) -> None:
         self.runner = runner
         self.cost = cost
+
+    def lag(self, request: Request) -> int:
+        """Tokens of `request` the draft model would compute before drafting: those past its K/V."""
+        state = request.draft_state
+        return request.num_tokens - (state.valid(request) if isinstance(state, DraftKV) else 0)
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Reserve `max_tokens` draft positions (`PENDING`); `fill` writes them after scheduling."""
@@ -74,6 +82,7 @@ class DraftModel:
         drafting = [s for s in scheduled if s.spec_token_ids]
         if not drafting:
             return
+        start = time.perf_counter()
         rows = []
         for s in drafting:
             request = s.request
@@ -84,7 +93,10 @@ class DraftModel:
             del state.tokens[valid:]
             rows.append((request.all_token_ids[valid:], valid, request.block_table))
             state.tokens.extend(request.all_token_ids[valid:])
+            state.known = len(state.tokens)
         tokens = self._argmax(rows)
+        # Each forward's time, its preparation included, fits the draft's cost (`cost`).
+        self.cost.observe(sum(len(row[0]) for row in rows), time.perf_counter() - start)
         for depth in range(max(len(s.spec_token_ids) for s in drafting)):
             live = [i for i, s in enumerate(drafting) if depth < len(s.spec_token_ids)]
             for i in live:
@@ -92,12 +104,12 @@ class DraftModel:
             feed = [i for i in live if depth + 1 < len(drafting[i].spec_token_ids)]
             if not feed:
                 break
+            start = time.perf_counter()
             rows = []
             for i in feed:
                 request = drafting[i].request
                 rows.append(([tokens[i]], request.num_tokens + depth, request.block_table))
                 request.draft_state.tokens.append(tokens[i])
-            start = time.perf_counter()
             for i, token in zip(feed, self._argmax(rows), strict=True):
                 tokens[i] = token
             self.cost.observe(len(rows), time.perf_counter() - start)

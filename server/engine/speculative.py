@@ -20,12 +20,18 @@ the grammar's after them (`structured_output.grammar_bitmask`).
 
 How many: a draft token costs compute in the step; it pays only when it is likely to be accepted and
 the step is not compute-bound already. With a step of T tokens costing `a + b * T` seconds (measured at
-start, `measure_step_cost`, then fitted to the decode steps as they run, `StepCost`), a draft position j (1-based) of a request whose positions are accepted with
-probability alpha is worth proposing when `alpha ** j >= b * T / (a + b * T)`: the chance it is used
-against its share of the step's time. So a lone sequence drafts up to `num_speculative_tokens` tokens,
-and a big batch (T large, the ratio near 1) stops drafting. alpha is each request's acceptance rate,
-decayed so it follows recent text, starting from the engine's overall rate; a request that stopped
-drafting for a low rate sees its old misses fade each step, so it tries again later.
+start, `measure_step_cost`, then fitted to the decode steps as they run, `StepCost`), a draft position
+j (1-based) of a request whose positions are accepted with probability alpha is worth proposing when
+`alpha ** j >= b * T / (a + b * T)`: the chance it is used against its share of the step's time. So a
+lone sequence drafts up to `num_speculative_tokens` tokens, and a big batch (T large, the ratio near 1)
+stops drafting. A draft model (`draft_model.DraftModel`) adds its own forwards to each position's cost
+(`a_d + b_d * T`, fitted the same way: `b + b_d + a_d / D` in place of `b`, D the requests that draft),
+and to the first position the tokens its cache lacks, spread over the tokens the request may still
+produce (up to 64). alpha is each request's acceptance rate, decayed so it follows recent text,
+starting from the engine's overall rate, itself optimistic before anything was verified (and one
+request drafts at a time while it rests on few verified positions); a request that stopped drafting
+for a low rate sees its old misses fade each step, and the engine's rate drifts back up while nobody
+drafts, so drafting is tried again later.
 """
 
 from __future__ import annotations
@@ -40,8 +46,13 @@ from conveyor.server.messages import SpecDecodingStats
 
 # Weight of older acceptance counts after each verification (per request and engine-wide).
 _DECAY = 0.7
-# Acceptance rate assumed before any draft was verified.
-_PRIOR_ACCEPTANCE = 0.5
+# Acceptance rate assumed before any draft was verified: optimistic, so the first steps draft and
+# measure it (a pessimistic guess below the threshold would never be tested).
+_PRIOR_ACCEPTANCE = 1.0
+# Verified positions (decayed) below which the engine's rate is a guess: one request drafts at a time.
+_CONFIDENT_POSITIONS = 8.0
+# Weight of the engine's acceptance counts after each step in which no request drafts.
+_IDLE_DECAY = 0.998
 # Candidate earlier occurrences checked per lookup, latest first.
 _MAX_CANDIDATES = 16
 
@@ -225,15 +236,23 @@ class StepCost:
         self.per_token = max(slope, 0.0)
         self.fixed = max((y - self.per_token * t) / n, 0.0)
 
-    def draft_threshold(self, num_tokens: int, draft: StepCost | None = None) -> float:
+    def share(self, num_tokens: int, seconds: float) -> float:
+        """`seconds` over the time per token of a step of `num_tokens` tokens: the acceptance chance a
+        draft position costing `seconds` must reach to pay."""
+        step = self.fixed + self.per_token * num_tokens
+        return seconds * num_tokens / step if step > 0 else float("inf")
+
+    def draft_threshold(
+        self, num_tokens: int, draft: StepCost | None = None, sharers: int | None = None
+    ) -> float:
         """The acceptance chance a draft position must reach in a step of `num_tokens` other tokens: its
         cost (this step's time per token, plus with a draft model `draft` that model's time per token
-        and its share of one forward over `num_tokens` requests) over the step's time per token."""
-        work = self.per_token * num_tokens
+        and its share of one forward over the `sharers` requests that draft, default all) over the
+        step's time per token."""
         cost = self.per_token
         if draft is not None:
-            cost += draft.per_token + draft.fixed / max(num_tokens, 1)
-        return min(cost * num_tokens / (self.fixed + work), 1.0) if self.fixed + work > 0 else 1.0
+            cost += draft.per_token + draft.fixed / max(sharers or num_tokens, 1)
+        return min(self.share(num_tokens, cost), 1.0)
 
 
 def measure_step_cost(run, repeats: int = 5, num_tokens: int = 64) -> StepCost:
@@ -260,9 +279,9 @@ class _Acceptance:
     def rate(self, prior: float) -> float:
         return (self.accepted + prior) / (self.verified + 1.0)
 
-    def add(self, accepted: int, verified: int) -> None:
-        self.accepted = _DECAY * self.accepted + accepted
-        self.verified = _DECAY * self.verified + verified
+    def add(self, accepted: int, verified: int, decay: float = _DECAY) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.verified = decay * self.verified + verified
 
 
 class Drafter:
@@ -301,21 +320,51 @@ class Drafter:
         limit = self.method.disable_by_batch_size
         if limit is not None:
             return None if len(running) + num_waiting > limit else {}
-        threshold = (
-            self.step_cost.draft_threshold(len(running), self.proposer.cost) if self.step_cost else 0.0
-        )
         prior = self.overall.rate(_PRIOR_ACCEPTANCE)
-        lengths = {}
-        for request in running:
-            acceptance = request.draft_acceptance
-            alpha = acceptance.rate(prior) if acceptance is not None else prior
-            k, chance = 0, alpha
-            while k < self.num_speculative_tokens and chance >= threshold:
-                k, chance = k + 1, chance * alpha
-            if not k and acceptance is not None:
-                acceptance.add(0, 0)  # a step without drafts fades the old misses: it retries later
-            lengths[request.request_id] = k
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        # A draft model's forwards are shared by the requests that draft: guess all of those in decode,
+        # then as many as would draft at that price, until the guess holds (each guess is smaller).
+        sharers = len(decoding)
+        while True:
+            lengths = {r.request_id: self._length(r, prior, len(running), sharers) for r in decoding}
+            drafting = [i for i, k in lengths.items() if k]
+            if self.overall.verified < _CONFIDENT_POSITIONS:
+                # The rate is mostly the prior (at start, or after a long spell without drafts): one
+                # request drafts, so finding out costs one sequence's drafts (a draft model's catch-up).
+                lengths.update(dict.fromkeys(drafting[1:], 0))
+                drafting = drafting[:1]
+            if self.proposer.cost is None or not drafting or len(drafting) >= sharers:
+                break
+            sharers = len(drafting)
+        for request in decoding:
+            if not lengths[request.request_id] and request.draft_acceptance is not None:
+                request.draft_acceptance.add(0, 0)  # a step without drafts fades old misses: it retries later
+        if decoding and not any(lengths.values()):
+            # Nobody drafts: the engine's rate drifts slowly back to the optimistic prior, so drafting
+            # is tried again now and then (traffic changes) at the cost of an occasional step.
+            self.overall.add(0, 0, _IDLE_DECAY)
         return lengths
+
+    def _length(self, request: Request, prior: float, num_tokens: int, sharers: int) -> int:
+        """The draft positions of `request` worth their cost in a step of `num_tokens` requests whose
+        draft-model forwards `sharers` requests share (`StepCost.draft_threshold`)."""
+        acceptance = request.draft_acceptance
+        alpha = acceptance.rate(prior) if acceptance is not None else prior
+        step_cost, draft_cost = self.step_cost, self.proposer.cost
+        threshold = first = 0.0
+        if step_cost is not None:
+            threshold = first = step_cost.draft_threshold(num_tokens, draft_cost, sharers)
+            if draft_cost is not None:
+                # A draft model first computes the tokens its cache lacks (the prompt, for a new
+                # request): the first position also pays that, spread over what the request may still
+                # produce (at most 64 tokens).
+                horizon = min(max(request.sampling_params.max_tokens - len(request.output_token_ids), 1), 64)
+                catch_up = self.proposer.lag(request) * draft_cost.per_token / horizon
+                first += step_cost.share(num_tokens, catch_up)
+        k, chance = 0, alpha
+        while k < self.num_speculative_tokens and chance >= (threshold if k else first):
+            k, chance = k + 1, chance * alpha
+        return k
 
     def propose(self, running: list[Request], num_waiting: int, max_model_len: int) -> None:
         """Set `spec_token_ids` of every running request: a draft for those in decode that may draft,

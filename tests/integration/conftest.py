@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -108,16 +109,22 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[LiveServer]:
+    from conveyor.server.api.metrics import EngineMetrics
+    from conveyor.server.engine.builder import build_engine
+
+    with live_server(build_engine(engine_config(), EngineMetrics)) as live:
+        yield live
+
+
+@contextmanager
+def live_server(llm) -> Iterator[LiveServer]:
+    """The OpenAI server over the engine `llm` (built with an observer), served by uvicorn until exit."""
     import uvicorn
 
     from conveyor.server.api.app import create_app
-    from conveyor.server.api.metrics import EngineMetrics
     from conveyor.server.engine.async_engine import AsyncEngine
-    from conveyor.server.engine.builder import build_engine
 
-    llm = build_engine(engine_config(), EngineMetrics)
-    metrics = llm.observer
-    app = create_app(AsyncEngine(llm), metrics)
+    app = create_app(AsyncEngine(llm), llm.observer)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)

@@ -2,8 +2,8 @@
 its first layers (a smaller model with the same tokenizer, which agrees with the full model often but
 not always), so steps both accept and reject drafts. Greedy outputs equal the outputs without
 speculation, token for token, with chunked prefill, preemption under a tiny KV pool, prefix caching,
-stop strings and logprobs; no KV block leaks; the counters add up; a draft with another vocabulary is
-refused at start."""
+stop strings, logprobs, penalties and structured output; no KV block leaks; the counters add up; a
+draft with another vocabulary or fewer positions is refused at start."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from pathlib import Path
 import pytest
 
 from conveyor.benchmarks.speculative import embedded_draft
-from conveyor.server.config import SchedulerConfig
-from conveyor.server.engine.kv_cache import KVCacheManager
-from conveyor.server.engine.scheduler import make_scheduler
 from conveyor.server.messages import SamplingParams
 from tests.integration.conftest import engine_config
-from tests.integration.test_speculative import drafted, prompt_ids, run
+from tests.integration.test_speculative import (
+    check_greedy_outputs,
+    check_stops_logprobs_and_penalties,
+    check_tiny_pool,
+    drafted,
+    prompt_ids,
+    run,
+    structured_output_requests,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,60 +59,47 @@ def test_the_pool_holds_both_models_kv(engine, draft_engine):
 
 
 def test_greedy_with_a_draft_model_is_greedy_without_it(engine, draft_engine):
-    prompts = prompt_ids(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=48)
-    before = drafted(draft_engine)
-    plain = run(engine, [(ids, params) for ids in prompts])
-    spec = run(draft_engine, [(ids, params) for ids in prompts])
-    assert [r["tokens"] for r in spec] == [r["tokens"] for r in plain]
-    assert [r["text"] for r in spec] == [r["text"] for r in plain]
-    after = drafted(draft_engine)
-    assert after[1] - before[1] >= 20, "the draft model's tokens were accepted too rarely to test anything"
-    assert after[1] - before[1] < after[0] - before[0], "no draft was rejected: the rollback went untested"
-    hits = draft_engine.kv_cache.prefix_cache_hits
-    again = run(draft_engine, [(ids, params) for ids in prompts])
-    assert draft_engine.kv_cache.prefix_cache_hits > hits
-    assert [r["tokens"] for r in again] == [r["tokens"] for r in plain]
-    assert draft_engine.kv_cache.usage == 0.0
+    check_greedy_outputs(engine, draft_engine)
 
 
 def test_chunked_prefill_and_preemption_in_a_tiny_pool_keep_outputs_and_leak_no_block(engine, draft_engine):
-    prompts = prompt_ids(engine) * 2
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = run(engine, [(ids, params) for ids in prompts])
-    saved = draft_engine.kv_cache, draft_engine.scheduler
-    # 16 blocks force preemptions (every decode reserves 4 draft positions); a 32-token budget chunks
-    # every chat prompt.
-    draft_engine.kv_cache = kv = KVCacheManager(
-        16, draft_engine.runner.block_size, enable_prefix_caching=True
-    )
-    draft_engine.scheduler = make_scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, max_num_seqs=10)
+    # 16 blocks force preemptions here (every decode reserves 4 draft positions, so fewer run at once).
+    check_tiny_pool(engine, draft_engine, 16)
+
+
+def test_stop_strings_logprobs_and_penalties_match(engine, draft_engine):
+    check_stops_logprobs_and_penalties(engine, draft_engine)
+
+
+def test_structured_output_keeps_greedy_outputs(engine, draft_engine):
+    """The draft model drafts without the grammar; the target's mask at each draft position rejects
+    what the grammar refuses, so outputs are the tokens without speculation, and valid."""
+    requests = structured_output_requests(engine.tokenizer)
     before = drafted(draft_engine)
-    try:
-        spec = run(draft_engine, [(ids, params) for ids in prompts])
-        assert draft_engine.scheduler.num_preemptions > 0
-        assert drafted(draft_engine)[1] > before[1]
-        assert [r["tokens"] for r in spec] == [r["tokens"] for r in plain]
-        assert kv.num_free_blocks == kv.num_blocks and not any(kv.ref_counts)
-    finally:
-        draft_engine.kv_cache, draft_engine.scheduler = saved
-        draft_engine.kv_cache.reset_prefix_cache()
-
-
-def test_stop_strings_and_logprobs_match(engine, draft_engine):
-    prompts = prompt_ids(engine)
-    cases = [
-        SamplingParams(temperature=0.0, max_tokens=40, stop=["fox ran back"]),
-        SamplingParams(temperature=0.0, max_tokens=7, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
-    ]
-    requests = [(ids, params) for params in cases for ids in prompts[:2]]
     plain, spec = run(engine, requests), run(draft_engine, requests)
-    for p, s in zip(plain, spec, strict=True):
-        assert (s["tokens"], s["text"], s["finish"]) == (p["tokens"], p["text"], p["finish"])
-        for a, b in zip(s["logprobs"], p["logprobs"], strict=True):
-            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
-    assert any(p["finish"].value == "stop" for p in plain[:2]), "no stop string was reached"
+    assert [r["tokens"] for r in spec] == [r["tokens"] for r in plain]
+    assert set(json.loads(spec[0]["text"])) == set("abcd")
+    assert drafted(draft_engine)[0] > before[0]
+
+
+def test_a_quantized_draft_serves_its_gguf_blocks_and_keeps_greedy_outputs(engine):
+    """The embedded model's own GGUF as the draft, its Q4_1 blocks served as they are (`quantization:
+    gguf`): it agrees with the float model most of the time, and outputs stay the float model's."""
+    from conveyor.server.api.metrics import EngineMetrics
+    from conveyor.server.engine.builder import build_engine
+    from conveyor.server.model import loader
+
+    gguf = loader.resolve_model(None).gguf_path
+    config = engine_config(
+        speculative=speculative_config(gguf, quantization="gguf", disable_by_batch_size=1000)
+    )
+    llm = build_engine(config, EngineMetrics)
+    assert "Q4_1" in loader.weights_info(llm.drafter.proposer.runner.model)[0]
+    requests = [(ids, SamplingParams(temperature=0.0, max_tokens=24)) for ids in prompt_ids(engine)]
+    plain, spec = run(engine, requests), run(llm, requests)
+    assert [r["tokens"] for r in spec] == [r["tokens"] for r in plain]
+    draft_tokens, accepted = drafted(llm)
+    assert accepted > draft_tokens / 2, "a quantized copy of the model should agree with it mostly"
 
 
 def test_metrics_add_up(draft_engine):
@@ -132,3 +124,25 @@ def test_a_draft_with_another_vocabulary_or_fewer_positions_is_refused(save_tiny
     (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
     with pytest.raises(ValueError, match="has 512 positions, fewer than max_model_len 1024"):
         build_engine(engine_config(speculative=speculative_config(str(tmp_path))))
+
+
+def test_n_choices_over_the_openai_api_are_each_the_greedy_output(engine, draft_dir):
+    """`n: 3` through the real server and client: each choice is its own request with its own drafts
+    and draft K/V, and each is the output without speculation."""
+    from openai import OpenAI
+
+    from conveyor.server.api.metrics import EngineMetrics
+    from conveyor.server.engine.builder import build_engine
+    from tests.integration.conftest import live_server
+
+    ids = prompt_ids(engine)[1]
+    expected = run(engine, [(ids, SamplingParams(temperature=0.0, max_tokens=32))])[0]["text"]
+    config = engine_config(speculative=speculative_config(draft_dir, disable_by_batch_size=1000))
+    llm = build_engine(config, EngineMetrics)
+    with live_server(llm) as live:
+        client = OpenAI(base_url=f"{live.base_url}/v1", api_key="unused")
+        out = client.completions.create(
+            model=llm.served_model_name, prompt=ids, n=3, max_tokens=32, temperature=0.0
+        )
+    assert [c.text for c in out.choices] == [expected] * 3
+    assert drafted(llm)[0] > 0

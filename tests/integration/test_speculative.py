@@ -79,7 +79,9 @@ def drafted(engine) -> tuple[float, float]:
     )
 
 
-def test_greedy_with_drafts_is_greedy_without_them(engine, spec_engine):
+def check_greedy_outputs(engine, spec_engine) -> None:
+    """Greedy outputs of `spec_engine` (drafting) are `engine`'s token for token, with drafts both
+    accepted and rejected, and again from the prefix cache; no block stays held."""
     prompts = prompt_ids(engine)
     params = SamplingParams(temperature=0.0, max_tokens=48)
     before = drafted(spec_engine)
@@ -88,7 +90,7 @@ def test_greedy_with_drafts_is_greedy_without_them(engine, spec_engine):
     assert [r["tokens"] for r in spec] == [r["tokens"] for r in plain]
     assert [r["text"] for r in spec] == [r["text"] for r in plain]
     after = drafted(spec_engine)
-    assert after[1] - before[1] >= 20, "the copying prompts accepted too few drafts to test anything"
+    assert after[1] - before[1] >= 20, "drafts were accepted too rarely to test anything"
     assert after[1] - before[1] < after[0] - before[0], "no draft was rejected: the rollback went untested"
     # The same prompts again run from the prefix cache, drafts and all.
     hits = spec_engine.kv_cache.prefix_cache_hits
@@ -98,14 +100,16 @@ def test_greedy_with_drafts_is_greedy_without_them(engine, spec_engine):
     assert spec_engine.kv_cache.usage == 0.0
 
 
-def test_chunked_prefill_and_preemption_in_a_tiny_pool_keep_outputs_and_leak_no_block(engine, spec_engine):
+def check_tiny_pool(engine, spec_engine, num_blocks: int) -> None:
+    """Twice the prompts at once in a pool of `num_blocks` blocks with a 32-token step budget: prompts
+    are prefilled in chunks, requests are preempted, outputs stay `engine`'s and every block is freed."""
     prompts = prompt_ids(engine) * 2
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = run(engine, [(ids, params) for ids in prompts])
     saved = spec_engine.kv_cache, spec_engine.scheduler
-    # 10 requests of up to ~90 prompt + 40 output tokens need ~80 blocks of 16 at once: 24 force
-    # preemptions; a 32-token step budget chunks every chat prompt.
-    spec_engine.kv_cache = kv = KVCacheManager(24, spec_engine.runner.block_size, enable_prefix_caching=True)
+    spec_engine.kv_cache = kv = KVCacheManager(
+        num_blocks, spec_engine.runner.block_size, enable_prefix_caching=True
+    )
     spec_engine.scheduler = make_scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, max_num_seqs=10)
     assert max(map(len, prompts)) > 32  # so prompts are prefilled in chunks
     before = drafted(spec_engine)
@@ -120,7 +124,18 @@ def test_chunked_prefill_and_preemption_in_a_tiny_pool_keep_outputs_and_leak_no_
         spec_engine.kv_cache.reset_prefix_cache()  # the tiny pool's run overwrote cached blocks
 
 
-def test_stop_strings_logprobs_and_penalties_match_when_a_step_accepts_drafts(engine, spec_engine):
+def test_greedy_with_drafts_is_greedy_without_them(engine, spec_engine):
+    check_greedy_outputs(engine, spec_engine)
+
+
+def test_chunked_prefill_and_preemption_in_a_tiny_pool_keep_outputs_and_leak_no_block(engine, spec_engine):
+    # 10 requests of up to ~90 prompt + 40 output tokens need ~80 blocks of 16 at once: 24 force
+    # preemptions.
+    check_tiny_pool(engine, spec_engine, 24)
+
+
+def check_stops_logprobs_and_penalties(engine, spec_engine) -> None:
+    """Stop strings, logprobs and penalties give `engine`'s tokens, texts, finishes and logprobs."""
     prompts = prompt_ids(engine)
     cases = [
         SamplingParams(temperature=0.0, max_tokens=40, stop=["fox ran back"]),
@@ -138,6 +153,10 @@ def test_stop_strings_logprobs_and_penalties_match_when_a_step_accepts_drafts(en
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert any(p["finish"].value == "stop" for p in plain[:4]), "no stop string was reached"
+
+
+def test_stop_strings_logprobs_and_penalties_match_when_a_step_accepts_drafts(engine, spec_engine):
+    check_stops_logprobs_and_penalties(engine, spec_engine)
 
 
 def test_min_tokens_holds_back_stop_strings(engine, spec_engine):
@@ -234,37 +253,30 @@ def test_suffix_decoding_drafts_from_earlier_answers_and_keeps_greedy_outputs(en
     assert drafted_second[1] >= 24 > drafted_first[1]
 
 
-def test_structured_output_drafts_under_its_grammar_and_keeps_greedy_outputs(engine, spec_engine):
-    """A constrained request drafts too: each draft position is masked by the grammar as it stands after
-    the drafts before it, so outputs are the same tokens as without speculation, and valid."""
+def structured_output_requests(tokenizer) -> list:
+    """A JSON-schema request and a regex request whose answers repeat themselves."""
     from conveyor.server.messages import StructuredOutputParams
 
     fox = {"type": "string", "enum": ["red fox", "blue fox"]}
     schema = {"type": "object", "properties": {k: fox for k in "abcd"}, "required": list("abcd")}
-    chat = engine.tokenizer.apply_chat_template(
+    chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "List red fox, blue fox, red fox, blue fox, red fox as JSON items."}],
         add_generation_prompt=True,
         tokenize=False,
     )
-    ids = engine.tokenizer(chat, add_special_tokens=False)["input_ids"]
-    requests = [
-        (
-            ids,
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=60,
-                structured_output=StructuredOutputParams("json", json.dumps(schema)),
-            ),
-        ),
-        (
-            ids,
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=30,
-                structured_output=StructuredOutputParams("regex", "(fox ){3,8}"),
-            ),
-        ),
+    ids = tokenizer(chat, add_special_tokens=False)["input_ids"]
+    json_output = StructuredOutputParams("json", json.dumps(schema))
+    regex_output = StructuredOutputParams("regex", "(fox ){3,8}")
+    return [
+        (ids, SamplingParams(temperature=0.0, max_tokens=60, structured_output=json_output)),
+        (ids, SamplingParams(temperature=0.0, max_tokens=30, structured_output=regex_output)),
     ]
+
+
+def test_structured_output_drafts_under_its_grammar_and_keeps_greedy_outputs(engine, spec_engine):
+    """A constrained request drafts too: each draft position is masked by the grammar as it stands after
+    the drafts before it, so outputs are the same tokens as without speculation, and valid."""
+    requests = structured_output_requests(engine.tokenizer)
     before = drafted(spec_engine)
     plain, spec = run(engine, requests), run(spec_engine, requests)
     assert [r["tokens"] for r in spec] == [r["tokens"] for r in plain]
