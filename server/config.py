@@ -268,7 +268,8 @@ class SpeculativeMethod(_Config):
             or (k in ("model", "quantization") and self.method != "draft_model")
         )
         if stray:
-            raise ValueError(f"{', '.join(stray)} do not apply to method {self.method!r}")
+            verb = "does" if len(stray) == 1 else "do"
+            raise ValueError(f"{', '.join(stray)} {verb} not apply to method {self.method!r}")
         if self.method == "draft_model" and self.model is None:
             raise ValueError("method 'draft_model' needs the draft model's `model`")
         return self

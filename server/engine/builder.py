@@ -82,6 +82,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     # A start that reads a GGUF's blocks (or makes random ones) needs only its config and tokenizer converted.
     source = loader.converted(loader.resolve_model(mc.model), weights=mc.quantization in (None, "int8"))
     hf_config = loader.load_config(source)
+    draft_source = _draft_source(config)  # a missing draft fails before the target loads
     impl = loader.choose_impl(mc.model_impl, hf_config)
     shape = (
         ModelShape.from_hf_config(hf_config) if impl == "native" else GenericShape.from_hf_config(hf_config)
@@ -133,14 +134,17 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             weights, weight_bytes = loader.weights_info(model)
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
         lora = _lora_registry(config, runner, shape)
-        draft_runner = _draft_runner(config, shape, tokenizer, max_model_len, dtype, device, backend, ops)
+        draft_runner = _draft_runner(
+            config, draft_source, shape, tokenizer, max_model_len, dtype, device, backend, ops
+        )
         # A draft model's K/V sits in the target's blocks: a pooled token holds both.
         kv_shapes = [shape] + ([draft_runner.model.shape] if draft_runner else [])
         dtype_name, ranks = str(dtype).removeprefix("torch."), tp.size if tp else 1
-        kv_bytes_per_token = sum(
+        kv_parts = [
             capacity.kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype_name, ranks)
             for s in kv_shapes
-        )
+        ]
+        kv_bytes_per_token = sum(kv_parts)
         if cc.kv_cache_memory:
             pool_bytes = cc.kv_cache_memory
         elif device.type == "cuda":
@@ -166,12 +170,13 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
                 max_model_len,
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %d bytes/token); maximum concurrency at "
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d bytes/token%s); maximum concurrency at "
             "max_model_len %d: %.2fx; max_num_seqs %d",
             num_blocks,
             cc.block_size,
             pool_bytes / GiB,
             kv_bytes_per_token,
+            f": {kv_parts[0]} the model's + {kv_parts[1]} the draft model's" if draft_runner else "",
             max_model_len,
             pool_tokens / max_model_len,
             max_num_seqs,
@@ -232,8 +237,25 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegi
     return registry
 
 
+def _draft_source(config: EngineConfig) -> loader.ModelSource | None:
+    """The draft model `--speculative-config` names, found (converted from a GGUF as `--model` is), with
+    its config readable; None without one. Raises ModelNotFoundError / OSError naming the key."""
+    method = config.speculative.method
+    if method is None or method.method != "draft_model":
+        return None
+    try:
+        source = loader.converted(
+            loader.resolve_model(method.model), weights=method.quantization in (None, "int8")
+        )
+        loader.load_config(source)
+    except OSError as exc:  # ModelNotFoundError, or a hub id that cannot be fetched
+        raise loader.ModelNotFoundError(f"--speculative-config model: {exc}") from None
+    return source
+
+
 def _draft_runner(
     config: EngineConfig,
+    source: loader.ModelSource | None,
     shape: ModelShape | GenericShape,
     tokenizer,
     max_model_len: int,
@@ -248,12 +270,9 @@ def _draft_runner(
     conveyor's own decoder, another vocabulary, fewer positions than max_model_len, or a quantization
     this start cannot serve."""
     method = config.speculative.method
-    if method is None or method.method != "draft_model":
+    if source is None:
         return None
     mc = config.model
-    source = loader.converted(
-        loader.resolve_model(method.model), weights=method.quantization in (None, "int8")
-    )
     try:
         loader.check_quantization(method.quantization, source, device, backend, 1, mc.load_format)
     except ValueError as exc:
@@ -306,17 +325,18 @@ def _drafter(
     step_cost = None
     if method.disable_by_batch_size is None:
         step_cost = measure_step_cost(runner.profile, num_tokens=num_tokens)
-        logger.info(
-            "speculative decoding: %s, up to %d draft tokens; a step costs %.2f ms + %.3f ms per token%s",
-            method.method,
-            method.num_speculative_tokens,
-            step_cost.fixed * 1e3,
-            step_cost.per_token * 1e3,
-            ""
-            if draft_model is None
-            else f"; a draft forward {draft_model.cost.fixed * 1e3:.2f} ms + "
-            f"{draft_model.cost.per_token * 1e3:.3f} ms per token",
-        )
+    costs = f"drafts while at most {method.disable_by_batch_size} requests run or wait"
+    if step_cost is not None:
+        costs = f"a step costs {step_cost.fixed * 1e3:.2f} ms + {step_cost.per_token * 1e3:.3f} ms per token"
+        if draft_model is not None:
+            cost = draft_model.cost
+            costs += f"; a draft forward {cost.fixed * 1e3:.2f} ms + {cost.per_token * 1e3:.3f} ms per token"
+    logger.info(
+        "speculative decoding: %s, up to %d draft tokens; %s",
+        method.method,
+        method.num_speculative_tokens,
+        costs,
+    )
     return Drafter(method, step_cost, draft_model)
 
 

@@ -111,9 +111,14 @@ def test_metrics_add_up(draft_engine):
     assert 0 < accepted < draft_tokens
 
 
-def test_a_draft_with_another_vocabulary_or_fewer_positions_is_refused(save_tiny_llama, draft_dir, tmp_path):
+def test_a_missing_draft_or_one_with_another_vocabulary_or_fewer_positions_is_refused(
+    save_tiny_llama, draft_dir, tmp_path
+):
     from conveyor.server.engine.builder import build_engine
+    from conveyor.server.model.loader import ModelNotFoundError
 
+    with pytest.raises(ModelNotFoundError, match="--speculative-config model: model path /nowhere/draft"):
+        build_engine(engine_config(speculative=speculative_config("/nowhere/draft")))
     byte_level = save_tiny_llama("byte_level_draft")
     with pytest.raises(ValueError, match="has another vocabulary than the target"):
         build_engine(engine_config(speculative=speculative_config(byte_level)))
