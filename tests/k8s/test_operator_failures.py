@@ -223,8 +223,9 @@ def test_service_monitors_follow_their_crd_and_are_recreated(env: Env, tmp_path)
         assert monitor["metadata"]["ownerReferences"][0]["name"] == "idle"
         uid = monitor["metadata"]["uid"]
         # kopf starts watching a kind whose CRD just appeared a moment later (and retries while the
-        # API server's storage for it initialises): a deletion before that is not seen by anyone.
-        time.sleep(5)
+        # API server's storage for it initialises): a deletion before that is not seen by anyone. On a
+        # busy 2-core host 5 s was once not enough (the recreation never came).
+        time.sleep(15)
         env.kubectl("delete", "servicemonitor", "idle")
         again = env.eventually(
             lambda: (m := env.get("servicemonitor", "idle")) and m["metadata"]["uid"] != uid and m,
