@@ -82,7 +82,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     # A start that reads a GGUF's blocks (or makes random ones) needs only its config and tokenizer converted.
     source = loader.converted(loader.resolve_model(mc.model), weights=mc.quantization in (None, "int8"))
     hf_config = loader.load_config(source)
-    draft_source = _draft_source(config)  # a missing draft fails before the target loads
+    draft = _draft_source(config)  # a missing draft fails before the target loads
     impl = loader.choose_impl(mc.model_impl, hf_config)
     shape = (
         ModelShape.from_hf_config(hf_config) if impl == "native" else GenericShape.from_hf_config(hf_config)
@@ -135,7 +135,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
         lora = _lora_registry(config, runner, shape)
         draft_runner = _draft_runner(
-            config, draft_source, shape, tokenizer, max_model_len, dtype, device, backend, ops
+            config, draft, shape, tokenizer, max_model_len, dtype, device, backend, ops
         )
         # A draft model's K/V sits in the target's blocks: a pooled token holds both.
         kv_shapes = [shape] + ([draft_runner.model.shape] if draft_runner else [])
@@ -237,9 +237,9 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegi
     return registry
 
 
-def _draft_source(config: EngineConfig) -> loader.ModelSource | None:
-    """The draft model `--speculative-config` names, found (converted from a GGUF as `--model` is), with
-    its config readable; None without one. Raises ModelNotFoundError / OSError naming the key."""
+def _draft_source(config: EngineConfig) -> tuple[loader.ModelSource, object] | None:
+    """The draft model `--speculative-config` names, found (converted from a GGUF as `--model` is), and
+    its transformers config; None without one. Raises ModelNotFoundError naming the key."""
     method = config.speculative.method
     if method is None or method.method != "draft_model":
         return None
@@ -247,15 +247,15 @@ def _draft_source(config: EngineConfig) -> loader.ModelSource | None:
         source = loader.converted(
             loader.resolve_model(method.model), weights=method.quantization in (None, "int8")
         )
-        loader.load_config(source)
+        hf_config = loader.load_config(source)
     except OSError as exc:  # ModelNotFoundError, or a hub id that cannot be fetched
         raise loader.ModelNotFoundError(f"--speculative-config model: {exc}") from None
-    return source
+    return source, hf_config
 
 
 def _draft_runner(
     config: EngineConfig,
-    source: loader.ModelSource | None,
+    draft: tuple[loader.ModelSource, object] | None,
     shape: ModelShape | GenericShape,
     tokenizer,
     max_model_len: int,
@@ -270,14 +270,14 @@ def _draft_runner(
     conveyor's own decoder, another vocabulary, fewer positions than max_model_len, or a quantization
     this start cannot serve."""
     method = config.speculative.method
-    if source is None:
+    if draft is None:
         return None
+    source, hf_config = draft
     mc = config.model
     try:
         loader.check_quantization(method.quantization, source, device, backend, 1, mc.load_format)
     except ValueError as exc:
         raise ValueError(f"--speculative-config quantization: {exc}") from None
-    hf_config = loader.load_config(source)
     try:
         loader.choose_impl("native", hf_config)
     except ValueError as exc:

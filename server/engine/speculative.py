@@ -326,7 +326,12 @@ class Drafter:
         # then as many as would draft at that price, until the guess holds (each guess is smaller).
         sharers = len(decoding)
         while True:
-            lengths = {r.request_id: self._length(r, prior, len(running), sharers) for r in decoding}
+            threshold = (
+                self.step_cost.draft_threshold(len(running), self.proposer.cost, sharers)
+                if self.step_cost is not None
+                else 0.0
+            )
+            lengths = {r.request_id: self._length(r, prior, len(running), threshold) for r in decoding}
             drafting = [i for i, k in lengths.items() if k]
             if self.overall.verified < _CONFIDENT_POSITIONS:
                 # The rate is mostly the prior (at start, or after a long spell without drafts): one
@@ -345,22 +350,20 @@ class Drafter:
             self.overall.add(0, 0, _IDLE_DECAY)
         return lengths
 
-    def _length(self, request: Request, prior: float, num_tokens: int, sharers: int) -> int:
-        """The draft positions of `request` worth their cost in a step of `num_tokens` requests whose
-        draft-model forwards `sharers` requests share (`StepCost.draft_threshold`)."""
+    def _length(self, request: Request, prior: float, num_tokens: int, threshold: float) -> int:
+        """The draft positions of `request` worth their cost in a step of `num_tokens` requests, each
+        position needing the acceptance chance `threshold` (`StepCost.draft_threshold`)."""
         acceptance = request.draft_acceptance
         alpha = acceptance.rate(prior) if acceptance is not None else prior
         step_cost, draft_cost = self.step_cost, self.proposer.cost
-        threshold = first = 0.0
-        if step_cost is not None:
-            threshold = first = step_cost.draft_threshold(num_tokens, draft_cost, sharers)
-            if draft_cost is not None:
-                # A draft model first computes the tokens its cache lacks (the prompt, for a new
-                # request): the first position also pays that, spread over what the request may still
-                # produce (at most 64 tokens).
-                horizon = min(max(request.sampling_params.max_tokens - len(request.output_token_ids), 1), 64)
-                catch_up = self.proposer.lag(request) * draft_cost.per_token / horizon
-                first += step_cost.share(num_tokens, catch_up)
+        first = threshold
+        if step_cost is not None and draft_cost is not None:
+            # A draft model first computes the tokens its cache lacks (the prompt, for a new request):
+            # the first position also pays that, spread over what the request may still produce (at
+            # most 64 tokens).
+            horizon = min(max(request.sampling_params.max_tokens - len(request.output_token_ids), 1), 64)
+            catch_up = self.proposer.lag(request) * draft_cost.per_token / horizon
+            first += step_cost.share(num_tokens, catch_up)
         k, chance = 0, alpha
         while k < self.num_speculative_tokens and chance >= (threshold if k else first):
             k, chance = k + 1, chance * alpha
