@@ -179,13 +179,15 @@ def metrics_page() -> str:
         max_loras=1,
         num_speculative_tokens=2,
     )
+    engine_metrics = EngineMetrics("MODEL", limits, per_expert=True)
+    engine_metrics.watch_lora_adapters(dict, dict)  # the app adds it with --enable-lora
     sections = [
         (
             "Server (`conveyor serve`, `/metrics`)",
             "Names follow vLLM's with the prefix `conveyor:` instead of `vllm:`, so dashboards, alert rules "
             "and endpoint pickers port over (`vllm:lora_requests_info` keeps vLLM's own name: the Gateway API "
             "Inference Extension's endpoint picker reads it). Every series exists at zero from start.",
-            _families(EngineMetrics("MODEL", limits, per_expert=True).registry),
+            _families(engine_metrics.registry),
         ),
         (
             "Router (`conveyor router`, `/metrics`)",

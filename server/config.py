@@ -164,6 +164,14 @@ class LoRAConfig(_Config):
         description='adapters to load at start, each `name=path` or JSON {"name": ..., "path": ...}; clients '
         "select one with `model: name`",
     )
+    lora_modules_file: str | None = Field(
+        None,
+        description="a JSON file listing adapters (`--lora-modules`' forms, as one list) that is kept in "
+        "step while serving: read before the server is ready, then re-read every second; adapters added are "
+        "loaded, adapters removed are unloaded (running requests finish with them); one that cannot load is "
+        "logged and exported in `conveyor:lora_adapter_info`, and the others are served (the operator mounts "
+        "it from a ConfigMap)",
+    )
     max_loras: int = Field(1, ge=1, description="adapters one engine step can run (resident at once)")
     max_lora_rank: int = Field(16, ge=1, le=1024, description="the highest adapter rank accepted")
     max_cpu_loras: int | None = Field(
@@ -185,6 +193,8 @@ class LoRAConfig(_Config):
     def _consistent(self) -> LoRAConfig:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if self.lora_modules_file and not self.enable_lora:
+            raise ValueError("--lora-modules-file needs --enable-lora")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"--max-cpu-loras {self.max_cpu_loras} must be at least --max-loras {self.max_loras}"

@@ -8,9 +8,12 @@ the series.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from conveyor.server.messages import EngineLimits, SchedulerStats
 
@@ -27,6 +30,8 @@ ITL_BUCKETS = (
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # The busiest expert's load over the mean (1 = even; top_k / num_experts of every token on one expert
 # gives num_experts / top_k).
+# The longest `error` label of `conveyor:lora_adapter_info` (characters).
+ERROR_LABEL_CHARS = 300
 IMBALANCE_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 
 
@@ -156,6 +161,7 @@ class EngineMetrics:
         self.max_loras = str(limits.max_loras)
         self.lora_info: list[Gauge] = []
         self.lora_requests = None
+        self._lora_adapters: Collector | None = None
         if limits.max_loras:
             lora_labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
             doc = "LoRA adapters of running and waiting requests (labels, comma-separated; value: Unix time set)."
@@ -235,6 +241,43 @@ class EngineMetrics:
         for gauge in self.lora_info:
             gauge.clear()
             gauge.labels(*labels).set_to_current_time()
+
+    def watch_lora_adapters(
+        self, served: Callable[[], dict[str, str]], failed: Callable[[], dict[str, str]]
+    ) -> None:
+        """Export `conveyor:lora_adapter_info{model_name, lora_name, state, error}` = 1, read at each
+        scrape: one series per adapter served (`served()`: name -> path; state `loaded`, error empty)
+        and per adapter `--lora-modules-file` declares that is not served (`failed()`: name -> why;
+        state `failed`, error the reason, at most ERROR_LABEL_CHARS characters). The operator's
+        per-adapter status and the router's adapter filter read it; its label set is bounded by the
+        adapters named to this server."""
+        model_name = self.model_name
+        if self._lora_adapters is not None:  # an app made again on the same metrics
+            self.registry.unregister(self._lora_adapters)
+
+        class _Adapters(Collector):
+            _labelnames = ("model_name", "lora_name", "state", "error")  # as prometheus_client's own
+
+            def describe(self):
+                return [self._family()]
+
+            def _family(self) -> GaugeMetricFamily:
+                return GaugeMetricFamily(
+                    "conveyor:lora_adapter_info",
+                    "LoRA adapters named to this server: loaded (served) or failed (declared, not served).",
+                    labels=list(self._labelnames),
+                )
+
+            def collect(self):
+                family = self._family()
+                for name in served():
+                    family.add_metric([model_name, name, "loaded", ""], 1.0)
+                for name, why in failed().items():
+                    family.add_metric([model_name, name, "failed", why[:ERROR_LABEL_CHARS]], 1.0)
+                yield family
+
+        self._lora_adapters = _Adapters()
+        self.registry.register(self._lora_adapters)
 
     def _observe_experts(self, expert_tokens: list[list[int]]) -> None:
         name = self.model_name

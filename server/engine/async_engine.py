@@ -166,6 +166,11 @@ class AsyncEngine:
             return {}
         return {name: path for name in registry.names if (path := registry.path(name)) is not None}
 
+    def lora_failures(self) -> dict[str, str]:
+        """Adapters `--lora-modules-file` declares that are not served -> why ({} without LoRA)."""
+        registry = self.engine.lora
+        return registry.failures() if registry is not None else {}
+
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Read and serve an adapter (blocking: call it from a worker thread). Raises LoRAError."""
         self.engine.lora.add(name, path)

@@ -218,7 +218,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
 
 def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegistry | None:
     """With --enable-lora: the runner's adapter slots, and the registry with the `--lora-modules`
-    adapters read (None without it). Raises ValueError (LoRAError) naming the adapter that cannot be
+    adapters read and `--lora-modules-file`'s loaded and watched (None without it). Raises ValueError (LoRAError) naming the adapter that cannot be
     served, or the flag where LoRA does not run."""
     lc = config.lora
     if not lc.enable_lora:
@@ -234,6 +234,8 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegi
     registry = LoRARegistry(lc, shape)
     for module in lc.modules:
         registry.add(module.name, module.path)
+    if lc.lora_modules_file:
+        registry.watch(lc.lora_modules_file)
     return registry
 
 

@@ -110,7 +110,10 @@ class LLMEngine:
         return self.runner.dtype
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
+        """Stop the tensor-parallel workers, if any (the engine cannot step after this), and the
+        `--lora-modules-file` watch."""
+        if self.lora is not None:
+            self.lora.close()
         if self.runner.workers is not None:
             self.runner.workers.shutdown()
 

@@ -144,17 +144,35 @@ def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
     )
 
 
+def adapter_directory(name: str, path: str) -> Path:
+    """The local directory of the adapter at `path`: a directory, or a Hugging Face Hub id (`org/name`,
+    as vLLM's `--lora-modules` takes) downloaded with `huggingface_hub.snapshot_download` into its cache
+    (`HF_HOME`; `HF_HUB_OFFLINE=1` reads only what is cached). Raises LoRAError naming the path."""
+    directory = Path(path)
+    if directory.is_dir():
+        return directory
+    if path.startswith((".", "/")) or path.count("/") != 1 or directory.exists():
+        raise LoRAError(f"LoRA adapter {name!r}: {path!r} is not a directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, allow_patterns=["adapter_config.json", "adapter_model.*"]))
+    except Exception as exc:  # huggingface_hub's errors: not found, gated, offline, no network
+        raise LoRAError(
+            f"LoRA adapter {name!r}: {path!r} is not a directory, and as a Hugging Face Hub id it cannot "
+            f"be downloaded ({type(exc).__name__}: {exc})"
+        ) from None
+
+
 def load_adapter(name: str, path: str, shape: ModelShape, max_lora_rank: int) -> LoRAAdapter:
-    """Read the PEFT adapter in directory `path` for a model of `shape`.
+    """Read the PEFT adapter in directory `path` (or Hub id: `adapter_directory`) for a model of `shape`.
 
     Raises LoRAError naming the adapter and the problem: a missing directory or file, a config that is
     not LoRA or uses a feature this engine does not run (DoRA, biases, modules_to_save, per-module
     rank or alpha patterns), a rank above `max_lora_rank` (`--max-lora-rank`), a tensor of a projection
     the decoder does not adapt (embeddings, the LM head, experts) or of another base model (a layer
     past the model's, or a shape that does not match its projection)."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise LoRAError(f"LoRA adapter {name!r}: {path!r} is not a directory")
+    directory = adapter_directory(name, path)
     config = _read_config(name, directory)
     rank = config["r"]
     if rank > max_lora_rank:

@@ -346,3 +346,78 @@ def test_adapters_are_served_through_the_openai_api(lora_server, adapters, base_
         f'conveyor:lora_requests_total{{finished_reason="length",lora_name="{first}",model_name="{base}"}} 1.0'
         in metrics
     )
+
+
+def _hub_cache(root: Path, repo_id: str, directory: str) -> Path:
+    """A Hugging Face Hub cache (`HF_HUB_CACHE` layout) holding `directory`'s files as `repo_id`'s main
+    revision, so `snapshot_download` finds them offline."""
+    import shutil
+
+    revision = "0" * 40
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    shutil.copytree(directory, repo / "snapshots" / revision)
+    return root
+
+
+def test_a_lora_modules_file_is_kept_in_step_while_serving(adapters, tokenizer, tmp_path, monkeypatch):
+    """`--lora-modules-file`: its adapters are served when the engine is built (a Hub id from the Hub's
+    cache among them), one that cannot load is reported and the rest served, and edits to the file load
+    and unload adapters while the engine runs; `conveyor:lora_adapter_info` says which is which."""
+    from huggingface_hub import constants
+    from prometheus_client import generate_latest
+
+    from conveyor.server.api.metrics import EngineMetrics
+    from conveyor.server.config import LoRAConfig
+    from conveyor.server.engine.builder import build_engine
+
+    first, second, third = list(ADAPTERS)[:3]
+    monkeypatch.setattr(
+        constants, "HF_HUB_CACHE", str(_hub_cache(tmp_path / "hub", "org/third", adapters[third][0]))
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    modules = tmp_path / "adapters.json"
+
+    def declare(entries: list) -> None:  # written whole and renamed, as a ConfigMap volume swaps its files
+        (tmp_path / "next.json").write_text(json.dumps(entries))
+        (tmp_path / "next.json").replace(modules)
+
+    declare(
+        [
+            {"name": first, "path": adapters[first][0]},
+            "ghost=/no/such/adapter",
+            {"name": third, "path": "org/third"},
+        ]
+    )
+    lora = LoRAConfig(enable_lora=True, max_loras=2, lora_modules_file=str(modules))
+    engine = build_engine(engine_config().model_copy(update={"lora": lora}), EngineMetrics)
+    try:
+        assert engine.lora.names == [first, third]
+        assert (
+            set(engine.lora.failures()) == {"ghost"}
+            and "is not a directory" in engine.lora.failures()["ghost"]
+        )
+        engine.observer.watch_lora_adapters(lambda: {n: "" for n in engine.lora.names}, engine.lora.failures)
+        scrape = generate_latest(engine.observer.registry).decode()
+        assert f'conveyor:lora_adapter_info{{error="",lora_name="{first}",model_name=' in scrape
+        assert 'lora_name="ghost",model_name="SmolLM2-135M-Instruct",state="failed"} 1.0' in scrape
+        jobs = [(first, tokenizer(PROMPTS[0])), (third, tokenizer(PROMPTS[1]))]
+        assert _run(engine, jobs)[0] == [adapters[first][1][0], adapters[third][1][1]]
+
+        # first removed, second added, ghost gone: the watch applies it within a few polls.
+        declare([{"name": second, "path": adapters[second][0]}, {"name": third, "path": "org/third"}])
+        deadline = time.monotonic() + 30
+        while engine.lora.names != [third, second] or engine.lora.failures():
+            assert time.monotonic() < deadline, (engine.lora.names, engine.lora.failures())
+            time.sleep(0.2)
+        assert _run(engine, [(second, tokenizer(PROMPTS[0]))])[0] == [adapters[second][1][0]]
+        with pytest.raises(Exception, match="not loaded"):
+            engine.lora.get(first)
+
+        # A file that does not parse changes nothing.
+        modules.write_text("{not json")
+        time.sleep(2.5)
+        assert engine.lora.names == [third, second]
+    finally:
+        engine.close()
