@@ -70,8 +70,9 @@ class ModelShape:
     head_dim: int
     num_params: int
     max_position_embeddings: int | None
-    num_heads: int | None = None  # attention heads and MLP width: None for override-only shapes
+    num_heads: int | None = None  # attention heads, MLP and model width: None for override-only shapes
     intermediate_size: int | None = None
+    hidden_size: int | None = None
     # Mixture of experts: experts per sparse layer and chosen per token (0 for a dense model).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -493,6 +494,7 @@ def _shape_from_hf_config(name: str, config: dict) -> ModelShape:
         max_position_embeddings=config["max_position_embeddings"],
         num_heads=heads,
         intermediate_size=config["intermediate_size"],
+        hidden_size=config["hidden_size"],
         num_experts=config.get("num_experts") or config.get("num_local_experts") or 0,
         num_experts_per_tok=config.get("num_experts_per_tok", 0),
     )

@@ -17,8 +17,9 @@ from conveyor.operator.cluster import (
     configuration,
 )
 from conveyor.operator.events import Event, Write, written
-from conveyor.operator.render import Owner, router_name
+from conveyor.operator.render import Owner, lora_config_map_name, router_name
 
+CONFIG_MAP = ("v1", "ConfigMap")
 # The router's objects, in deletion order: the ServiceAccount, applied first, is deleted last, so
 # while it exists the others may, and once it is gone none is left (one read when the router is off).
 _ROUTER_SERVICE_ACCOUNT = ("v1", "ServiceAccount")
@@ -109,13 +110,16 @@ class Children:
 
     def prune(self, rendered: list[dict[str, Any]], *, router_enabled: bool) -> None:
         """Delete what the owner rendered before and `rendered` no longer holds: an HPA or ScaledObject
-        its autoscaling engine no longer uses, its NetworkPolicy once the operator renders none, and
+        its autoscaling engine no longer uses, its NetworkPolicy once the operator renders none, the
+        adapters' ConfigMap once `model.lora` is gone, and
         the router's objects once `router.enabled` is false."""
         apis = {(o["apiVersion"], o["kind"]) for o in rendered}
         for api in (HPA, SCALED_OBJECT, NETWORK_POLICY):
             if api in apis or (api == SCALED_OBJECT and not self.cluster.has_api(*api)):
                 continue
             self._delete_owned(api, self.owner.name)
+        if CONFIG_MAP not in apis:
+            self._delete_owned(CONFIG_MAP, lora_config_map_name(self.owner.name))
         if not router_enabled:
             self._delete_router()
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from conveyor.operator.status import (
+    ADAPTER_LOAD_FAILED,
+    ADAPTERS_READY,
     APPLY_FAILURE_REASON,
     APPLY_FAILURE_REASONS,
     CAPACITY_PLANNED,
@@ -60,6 +62,8 @@ def transitions(
     Ready             pods the scheduler cannot place; a child the API server refused, each new message.
     Scaling           KEDA's API missing under `engine: keda`.
     MetricsAvailable  turned False.
+    AdaptersReady     an adapter failed to load (Warning AdapterLoadFailed, each new message), or all
+                      adapters are loaded again (Normal AdaptersLoaded).
     any               a permission lost (reason Forbidden), each new message.
     """
     events = []
@@ -95,4 +99,8 @@ def _told(old: dict[str, Any], new: dict[str, Any]) -> Event | None:
         return Event("Warning", reason, message, message, warning)
     elif type_ == METRICS_AVAILABLE and status == "False" and changed("status"):
         return Event("Warning", "MetricsUnavailable", message)
+    elif type_ == ADAPTERS_READY and reason == ADAPTER_LOAD_FAILED and changed("reason", "message"):
+        return Event("Warning", reason, message, f"{reason}: {message}", warning)
+    elif type_ == ADAPTERS_READY and status == "True" and changed("status"):
+        return Event("Normal", reason, message)
     return None

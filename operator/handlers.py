@@ -17,14 +17,14 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from conveyor.operator import metrics, scaling
+from conveyor.operator import adapters, metrics, scaling
 from conveyor.operator.cluster import Cluster, api_message, load_api_client
-from conveyor.operator.events import Event
+from conveyor.operator.events import Event, transitions
 from conveyor.operator.memo import OperatorMemo
 from conveyor.operator.reconcile import forbidden, parse, reconcile
 from conveyor.operator.render import FIELD_MANAGER, LABEL_INSTANCE, LABEL_MANAGED_BY
 from conveyor.operator.spec import GROUP, PLURAL, VERSION
-from conveyor.operator.status import PODS_UNSCHEDULABLE, READY, SCALING, rfc3339
+from conveyor.operator.status import ADAPTERS_READY, PODS_UNSCHEDULABLE, READY, SCALING, rfc3339
 
 Logger = logging.Logger | logging.LoggerAdapter
 # kopf's retry delay after an apply failure: doubling from 10 s up to 5 minutes.
@@ -98,6 +98,7 @@ def on_deleted(namespace: str, name: str, memo: OperatorMemo, **_: Any) -> None:
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("v1", "services", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
+@kopf.on.event("v1", "configmaps", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels={LABEL_MANAGED_BY: FIELD_MANAGER})
 def on_child(namespace: str, labels: dict[str, str], memo: OperatorMemo, logger: Logger, **_: Any) -> None:
@@ -145,7 +146,8 @@ def on_optional_crd(name: str, type: str | None, memo: OperatorMemo, logger: Log
 
 def register_autoscale_timer(interval_seconds: float) -> None:
     """Register the builtin autoscaler's timer: a step every `interval_seconds` (a flag, so registered
-    by run.py rather than by a decorator at import)."""
+    by run.py rather than by a decorator at import), and the LoRA adapters' status timer at the same
+    interval."""
     # Only autoscaled resources get the timer, and with it kopf's finalizer (kopf stops a timer before
     # its resource goes, so deleting an autoscaled InferenceService waits for a running operator).
     kopf.timer(
@@ -157,6 +159,15 @@ def register_autoscale_timer(interval_seconds: float) -> None:
         field="spec.autoscaling",
         value=kopf.PRESENT,
     )(on_autoscale_timer)
+    kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        interval=interval_seconds,
+        id="lora-status",
+        field="spec.model.lora",
+        value=kopf.PRESENT,
+    )(on_adapter_timer)
 
 
 def on_autoscale_timer(namespace: str, name: str, memo: OperatorMemo, logger: Logger, **_: Any) -> None:
@@ -266,3 +277,41 @@ def _post(body: dict[str, Any], events: list[Event], logger: Logger) -> None:
         if event.log is not None:
             logger.log(event.level, "%s", event.log)
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+def on_adapter_timer(namespace: str, name: str, memo: OperatorMemo, logger: Logger, **_: Any) -> None:
+    """Refresh `status.loraAdapters` and AdaptersReady from the Ready pods' adapter series."""
+    try:
+        adapter_step(memo, namespace, name, logger, time.time())
+    except ApiException as exc:
+        if exc.status != 403:
+            raise
+        logger.error("cannot write the adapters' status of %s/%s: %s", namespace, name, api_message(exc))
+
+
+def adapter_step(memo: OperatorMemo, namespace: str, name: str, logger: Logger, now_seconds: float) -> None:
+    """One adapters' status step (adapters.py): Prometheus is read without the resource's lock, the
+    status written holding it, for the spec as it is then; an AdaptersReady change is an Event."""
+    cluster = memo.api
+    ready_pods, _ = cluster.pods(namespace, name)
+    reading = adapters.observe(memo.prometheus, namespace, ready_pods)
+    with memo.locks.get(namespace, name):
+        body = cluster.get_inference_service(namespace, name)
+        spec = scaling.autoscaled_spec(body, memo.settings.server_image)
+        if body is None or spec is None or spec.model.lora is None:
+            return
+        previous = body.get("status") or {}
+        declared = [a.name for a in spec.model.lora.adapters]
+        patch = adapters.adapter_status(
+            declared,
+            reading,
+            previous=previous,
+            generation=body["metadata"].get("generation"),
+            now=rfc3339(now_seconds),
+        )
+        events = transitions(previous.get("conditions") or [], patch["conditions"], (ADAPTERS_READY,))
+        if patch["loraAdapters"] != previous.get("loraAdapters") or patch["conditions"] != previous.get(
+            "conditions"
+        ):
+            _post(body, events, logger)
+            cluster.patch_status(namespace, name, patch)

@@ -54,6 +54,12 @@ RULES: tuple[Rule, ...] = (
         "Their children, server-side applied and watched to correct drift.",
     ),
     Rule(("",), ("services",), ALL_VERBS),
+    Rule(
+        ("",),
+        ("configmaps",),
+        ALL_VERBS,
+        "model.lora: the ConfigMap listing the adapters every server pod serves.",
+    ),
     Rule(("policy",), ("poddisruptionbudgets",), ALL_VERBS),
     Rule(("monitoring.coreos.com",), ("servicemonitors",), ALL_VERBS),
     Rule(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -33,6 +34,7 @@ from conveyor.server.capacity import (
     InsufficientGPUMemoryError,
     dtype_bytes,
     kv_bytes_per_token,
+    lora_slot_bytes,
     partition,
     plan_capacity,
 )
@@ -115,6 +117,7 @@ class SpecPlan:
     capacity: CapacityPlan
     max_num_seqs: int
     draft_model: ModelShape | None = None
+    lora_bytes: int = 0  # adapter slots (`model.lora`), counted in weight_bytes
 
 
 def parse_quantity(quantity: str) -> int:
@@ -184,6 +187,8 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
         draft_kv_bytes_per_token = kv_bytes_per_token(
             draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype
         )
+    lora_bytes = _lora_bytes(spec, shape, dtype)
+    weight_bytes += lora_bytes
     reserve = ACTIVATION_RESERVE_BYTES_PER_GPU * num_gpus
     utilization = spec.engine.gpu_memory_utilization
     capacity = plan_capacity(
@@ -219,6 +224,30 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
         capacity=capacity,
         max_num_seqs=spec.engine.max_num_seqs or capacity.max_num_seqs,
         draft_model=draft,
+        lora_bytes=lora_bytes,
+    )
+
+
+def _lora_bytes(spec: InferenceServiceSpec, shape: ModelShape, dtype: str) -> int:
+    """Bytes of `model.lora`'s adapter slots (`capacity.lora_slot_bytes`: maxAdapters slots of maxRank
+    on every projection), 0 without adapters. A shape given only by overrides has no widths: the
+    hidden width is then estimated from the parameters (about 12 h^2 per layer) and the MLP as 4 h."""
+    lora = spec.model.lora
+    if lora is None:
+        return 0
+    hidden = shape.hidden_size or math.isqrt(shape.num_params // (12 * shape.num_layers))
+    heads = shape.num_heads or max(hidden // shape.head_dim, 1)
+    return lora_slot_bytes(
+        shape.num_layers,
+        hidden,
+        heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.intermediate_size or 4 * hidden,
+        lora.max_adapters,
+        lora.max_rank,
+        dtype,
+        dense_mlp=not shape.num_experts,
     )
 
 
@@ -277,6 +306,16 @@ def format_plan(plan: SpecPlan) -> str:
                 )
             ]
             if plan.draft_model
+            else []
+        ),
+        *(
+            [
+                (
+                    "lora adapters",
+                    f"{plan.lora_bytes / GiB:.2f} GiB of adapter slots, counted in the weights",
+                )
+            ]
+            if plan.lora_bytes
             else []
         ),
         ("weights", f"{plan.weight_bytes / GiB:.2f} GiB"),

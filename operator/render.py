@@ -19,6 +19,8 @@ Each selector needs a key the other kind of pod lacks, so neither can match the 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from conveyor.server.cli import ServeArgsError, ServeSettings, parse_serve_argv,
 from conveyor.server.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -61,6 +64,11 @@ STARTUP_SECONDS_PER_GIB = 6
 
 MODELS_MOUNT = "/models"
 HF_HOME = "/models/hf-cache"
+# `model.lora`: the ConfigMap listing the adapters, mounted where the server re-reads it
+# (`--lora-modules-file`); the kubelet swaps a mounted ConfigMap's files in place when it changes.
+LORA_MOUNT = "/etc/conveyor/lora"
+LORA_MODULES_KEY = "adapters.json"
+LORA_MODULES_FILE = f"{LORA_MOUNT}/{LORA_MODULES_KEY}"
 # The root filesystem is read-only; what the server writes goes to emptyDirs: converted models and the
 # C++ kernels' build (XDG_CACHE_HOME), Triton's compiled kernels, and /tmp (torch.compile, tempfiles).
 CACHE_DIR = "/var/cache/conveyor"
@@ -204,6 +212,41 @@ def model_source(spec: InferenceServiceSpec) -> tuple[str, dict[str, Any] | None
     return f"{MODELS_MOUNT}/{claim}/{path}".rstrip("/"), volume
 
 
+def lora_config_map_name(name: str) -> str:
+    """The ConfigMap of `model.lora`'s adapters: `<name>-lora-adapters`."""
+    return f"{name}-lora-adapters"
+
+
+def _claim_volume(claim: str) -> str:
+    """A volume name (a DNS label) for a claim holding adapters, stable while the claim is named."""
+    return f"lora-{hashlib.sha256(claim.encode()).hexdigest()[:12]}"
+
+
+def lora_adapter_path(uri: str) -> str:
+    """The path `--lora-modules-file` gives the server for an adapter's `uri`: a Hub id for
+    `hf://org/name` (downloaded into HF_HOME), `/models/<claim>/<path>` for `pvc://claim/path`, an
+    absolute path as it is."""
+    if uri.startswith("hf://"):
+        return uri.removeprefix("hf://")
+    if uri.startswith("pvc://"):
+        claim, _, path = uri.removeprefix("pvc://").partition("/")
+        return f"{MODELS_MOUNT}/{claim}/{path}".rstrip("/")
+    return uri
+
+
+def render_lora_config_map(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The ConfigMap the server pods mount at LORA_MOUNT: `adapters.json`, the adapters as
+    `--lora-modules-file` reads them (`[{"name": ..., "path": ...}]`, in the spec's order)."""
+    assert spec.model.lora is not None
+    adapters = [{"name": a.name, "path": lora_adapter_path(a.uri)} for a in spec.model.lora.adapters]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {**_metadata(owner), "name": lora_config_map_name(owner.name)},
+        "data": {LORA_MODULES_KEY: json.dumps(adapters, indent=1)},
+    }
+
+
 def server_configs(spec: InferenceServiceSpec, plan: SpecPlan) -> ServeSettings:
     """The server's configuration for `spec`: what the operator sets (address, model, planned
     `max_num_seqs`, engine fields) as the server's own config models, so pydantic checks every value
@@ -231,8 +274,23 @@ def server_configs(spec: InferenceServiceSpec, plan: SpecPlan) -> ServeSettings:
             speculative=SpeculativeConfig(
                 speculative_config=engine.speculative.flag_value() if engine.speculative else None
             ),
+            lora=_lora_config(spec),
         ),
         server=ServerConfig(host="0.0.0.0", port=SERVER_PORT),
+    )
+
+
+def _lora_config(spec: InferenceServiceSpec) -> LoRAConfig:
+    """`model.lora` as the server's flags: adapters from the mounted ConfigMap's file, which the server
+    keeps in step with it, so adding or removing an adapter changes no flag (and restarts no pod)."""
+    lora = spec.model.lora
+    if lora is None:
+        return LoRAConfig()
+    return LoRAConfig(
+        enable_lora=True,
+        lora_modules_file=LORA_MODULES_FILE,
+        max_loras=lora.max_adapters,
+        max_lora_rank=lora.max_rank,
     )
 
 
@@ -291,6 +349,32 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], li
     return volumes, mounts
 
 
+def _lora_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of `model.lora`: the adapters' ConfigMap at LORA_MOUNT, and each claim holding
+    adapters (`pvc://`) that the model's own claim is not, read-only at /models/<claim>. A claim named
+    for the first time changes the pod template (the pods roll once); other adapter changes do not."""
+    lora = spec.model.lora
+    if lora is None:
+        return [], []
+    volumes: list[dict[str, Any]] = [
+        {"name": "lora-adapters", "configMap": {"name": lora_config_map_name(name)}}
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "lora-adapters", "mountPath": LORA_MOUNT, "readOnly": True}]
+    _, model_volume = model_source(spec)
+    mounted = {model_volume["persistentVolumeClaim"]["claimName"]} if model_volume else set()
+    for adapter in lora.adapters:
+        if not adapter.uri.startswith("pvc://"):
+            continue
+        claim = adapter.uri.removeprefix("pvc://").partition("/")[0]
+        if claim in mounted:
+            continue
+        mounted.add(claim)
+        volume = _claim_volume(claim)
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": volume, "mountPath": f"{MODELS_MOUNT}/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
 def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return [
         {"name": "HF_HOME", "value": HF_HOME},
@@ -329,8 +413,13 @@ def render_deployment(
     # Tensor-parallel workers exchange tensors through /dev/shm (NCCL); the container default of
     # 64 MiB is far too small, so mount a memory-backed emptyDir there.
     model_volumes, model_mounts = _model_volumes(spec)
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *model_volumes]
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts]
+    lora_volumes, lora_mounts = _lora_volumes(owner.name, spec)
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        *model_volumes,
+        *lora_volumes,
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts, *lora_mounts]
 
     node_selector = {GPU_PRODUCT_LABEL: plan.gpu_product_label} if plan.gpu_product_label else {}
     node_selector.update(spec.node_selector)
@@ -491,6 +580,8 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
         str(weights.kv),
         "--weight-prefix",
         str(weights.prefix),
+        "--weight-lora",
+        str(weights.lora),
         "--tokenizer",
         model,
         "--served-model-name",
@@ -835,11 +926,13 @@ def render_all(
     inference_pool: bool = False,
     network_policy_from: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child object, in apply order: the ServiceMonitors only when their API exists; a
+    """Every child object, in apply order: `model.lora`'s ConfigMap first (a new pod mounts it); the
+    ServiceMonitors only when their API exists; a
     NetworkPolicy when `network_policy_from` is given (operator setting); the router's objects when
     `router.enabled` (its InferencePool when that API exists); an HPA or a ScaledObject (when KEDA's API
     exists) for `autoscaling.engine` hpa or keda."""
     objects = [
+        *([render_lora_config_map(owner, spec)] if spec.model.lora is not None else []),
         render_deployment(owner, spec, plan, replicas),
         render_service(owner),
         render_pod_disruption_budget(owner),

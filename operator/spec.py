@@ -25,6 +25,7 @@ from pydantic.alias_generators import to_camel
 
 from conveyor.server.config import (
     CacheConfig,
+    LoRAConfig,
     Quantization,
     SchedulerConfig,
     SpeculativeMethod,
@@ -207,6 +208,20 @@ class EnvFromSource(_CamelModel):
         return self
 
 
+def _server_field(config: type[BaseModel], name: str, description: str, default: Any = ...) -> Any:
+    """A field with the bounds (ge, gt, le, lt) and, unless given, the default of the server's config
+    field `config.name`, so the CRD accepts no value `conveyor serve` refuses and defaults to what it
+    would (DESIGN.md: the engine spec derives from the server's config models)."""
+    info = config.model_fields[name]
+    bounds = {
+        key: getattr(item, key)
+        for item in info.metadata
+        for key in ("ge", "gt", "le", "lt")
+        if hasattr(item, key)
+    }
+    return Field(default=info.default if default is ... else default, description=description, **bounds)
+
+
 class ModelCacheSpec(_CamelModel):
     """Where pods keep downloaded weights (HF_HOME): by default an emptyDir per pod, so every new pod
     downloads again; a PersistentVolumeClaim (ReadWriteMany) shares one download between pods."""
@@ -238,6 +253,56 @@ class ModelCacheSpec(_CamelModel):
         return self
 
 
+class LoRAAdapterSpec(_CamelModel):
+    """One LoRA adapter (a PEFT directory) of the base model, served as its own OpenAI `model`."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*$",
+        max_length=128,
+        description="The OpenAI `model` id requests name it by.",
+    )
+    uri: str = Field(
+        pattern=r"^(hf://[^/\s]+/[^/\s]+|pvc://[^/\s]+(/\S*)?|/\S+)$",
+        max_length=1024,
+        description="Where the adapter comes from: hf://org/name (a Hub id, downloaded into the model cache "
+        "as the base model is), pvc://claim/path (a claim in the namespace, mounted read-only), or an "
+        "absolute path in the server container (e.g. under the model cache, /models/hf-cache/...).",
+    )
+
+
+class LoRASpec(_CamelModel):
+    """LoRA adapters served beside the base model (`conveyor serve --enable-lora`). The operator keeps
+    the set on every replica: a new pod loads them all before it is Ready, and adding or removing one
+    here loads or unloads it on the running pods without a restart (a ConfigMap the server re-reads,
+    `--lora-modules-file`)."""
+
+    adapters: list[LoRAAdapterSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        description="The adapters, by name.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    max_adapters: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Adapters one engine step runs, each in its own slot of maxRank (--max-loras); more are "
+        "served, their requests waiting for a slot. Changing it restarts the pods; adding adapters does not.",
+    )
+    max_rank: int = _server_field(
+        LoRAConfig, "max_lora_rank", "The highest adapter rank accepted (--max-lora-rank)."
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique_names(cls, value: list[LoRAAdapterSpec]) -> list[LoRAAdapterSpec]:
+        names = [a.name for a in value]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"adapter names must be unique: {', '.join(duplicates)} repeated")
+        return value
+
+
 class ModelSpec(_CamelModel):
     """Which model to serve and how long its sequences may be."""
 
@@ -263,6 +328,15 @@ class ModelSpec(_CamelModel):
     cache: ModelCacheSpec = Field(
         default_factory=ModelCacheSpec, description="Where pods keep downloaded weights (HF_HOME)."
     )
+    lora: LoRASpec | None = Field(
+        default=None, description="LoRA adapters of this model, served beside it on every replica."
+    )
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> ModelSpec:
+        if self.lora is not None and any(a.name == self.name for a in self.lora.adapters):
+            raise ValueError(f"lora.adapters: {self.name!r} is the model's own name")
+        return self
 
 
 class ResourcesSpec(_CamelModel):
@@ -317,20 +391,6 @@ class ResourcesSpec(_CamelModel):
         if value is not None and float(re.match(r"[+]?([0-9.]*)", value).group(1) or 0) <= 0:
             raise ValueError(f"{info.field_name} must be more than 0")
         return value
-
-
-def _server_field(config: type[BaseModel], name: str, description: str, default: Any = ...) -> Any:
-    """A field with the bounds (ge, gt, le, lt) and, unless given, the default of the server's config
-    field `config.name`, so the CRD accepts no value `conveyor serve` refuses and defaults to what it
-    would (DESIGN.md: the engine spec derives from the server's config models)."""
-    info = config.model_fields[name]
-    bounds = {
-        key: getattr(item, key)
-        for item in info.metadata
-        for key in ("ge", "gt", "le", "lt")
-        if hasattr(item, key)
-    }
-    return Field(default=info.default if default is ... else default, description=description, **bounds)
 
 
 class SpeculativeSpec(_CamelModel):
@@ -601,6 +661,12 @@ class RouterWeights(_CamelModel):
         ge=0,
         description="Weight of the prefix-affinity score (--weight-prefix); used by policy prefix-aware only.",
     )
+    lora: float = Field(
+        default=1.0,
+        ge=0,
+        description="Weight of the LoRA-affinity score (--weight-lora): a request naming an adapter prefers "
+        "replicas where it is resident.",
+    )
 
 
 class RouterSpec(_CamelModel):
@@ -777,7 +843,7 @@ class InferenceServiceSpec(_CamelModel):
 class Condition(_CamelModel):
     """A metav1.Condition."""
 
-    type: str = Field(description="CapacityPlanned, Ready, Scaling or MetricsAvailable.")
+    type: str = Field(description="CapacityPlanned, Ready, Scaling, MetricsAvailable or AdaptersReady.")
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(description="CamelCase cause, e.g. ReplicasReady, ApplyFailed, PodsUnschedulable.")
     message: str = Field(default="", description="What happened, with the numbers.")
@@ -864,6 +930,15 @@ class AutoscalerStatus(_CamelModel):
     )
 
 
+class LoRAAdapterStatus(_CamelModel):
+    """One declared adapter on the Ready replicas (read from their metrics)."""
+
+    name: str = Field(description="The adapter.")
+    loaded_replicas: int | None = Field(default=None, description="Ready replicas serving it.")
+    ready_replicas: int | None = Field(default=None, description="Ready replicas when it was read.")
+    last_error: str | None = Field(default=None, description="Why it failed to load where it did.")
+
+
 class InferenceServiceStatus(_CamelModel):
     """Observed state of an InferenceService, written by the operator."""
 
@@ -889,6 +964,9 @@ class InferenceServiceStatus(_CamelModel):
         "spec.router enabled), once a request can be answered.",
     )
     selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
+    lora_adapters: list[LoRAAdapterStatus] | None = Field(
+        default=None, description="model.lora: each adapter's replicas (AdaptersReady sums them up)."
+    )
 
 
 def validation_message(exc: ValidationError) -> str:

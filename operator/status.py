@@ -23,6 +23,8 @@ CAPACITY_PLANNED = "CapacityPlanned"
 READY = "Ready"
 SCALING = "Scaling"
 METRICS_AVAILABLE = "MetricsAvailable"
+ADAPTERS_READY = "AdaptersReady"  # model.lora's (adapters.py)
+ADAPTER_LOAD_FAILED = "AdapterLoadFailed"
 
 # Ready=False reasons for children the API server refuses, by HTTP status (409: the name is taken by
 # an object another controller owns, e.g. the server Deployment of an InferenceService `x-router` and
@@ -228,6 +230,7 @@ def build_status(
     Scaling           the builtin autoscaler's, as it wrote it, once it has decided; else
                       `scaling_problem`; else the Deployment's rollout.
     MetricsAvailable  the builtin autoscaler's, as it wrote it (absent under any other engine).
+    AdaptersReady     the adapters' timer's, as it wrote it (absent without model.lora).
     """
     before = previous.get("conditions") or []
 
@@ -259,6 +262,9 @@ def build_status(
     else:
         scaling = stamped(SCALING, invalid if spec is None else rollout(spec, deployment))
     metrics = [c for c in before if c.get("type") == METRICS_AVAILABLE] if builtin else []
+    # model.lora's, as the adapters' timer wrote them (adapters.py); cleared once it is gone.
+    lora = spec is not None and spec.model.lora is not None
+    adapters = [c for c in before if c.get("type") == ADAPTERS_READY] if lora else []
 
     desired, current, ready, _, _ = _replica_counts(deployment)
     if builtin:
@@ -270,6 +276,7 @@ def build_status(
             stamped(READY, ready_condition),
             scaling,
             *metrics,
+            *adapters,
         ],
         "desiredReplicas": desired if deployment is not None else None,
         # The autoscaler's own fields; cleared once the builtin autoscaler no longer runs.
@@ -285,6 +292,7 @@ def build_status(
         "readyReplicas": ready,
         "url": _url(name, namespace, spec, ready, router) if apply_failure is None else None,
         "selector": selector_string(name),
+        "loraAdapters": previous.get("loraAdapters") if lora else None,
     }
 
 

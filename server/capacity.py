@@ -71,6 +71,29 @@ def kv_bytes_per_token(
     return 2 * num_layers * heads_per_gpu * head_dim * dtype_bytes(dtype)
 
 
+def lora_slot_bytes(
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    max_loras: int,
+    max_lora_rank: int,
+    dtype: str,
+    dense_mlp: bool = True,
+) -> int:
+    """Bytes of `--max-loras` adapter slots of rank `--max-lora-rank` on every layer's q/k/v, o,
+    gate/up and down projections, as the server allocates them (`model.lora.LoRASlots`): per fused
+    projection and slot, A is `[slices * R, in]` and B `[R, sum of slice widths]`, so per layer and slot
+    R * (4 h + 2 q + 2 kv) elements for attention and R * (3 h + 3 I) for a dense MLP (h hidden,
+    q = heads * head_dim, kv = kv heads * head_dim, I the MLP's width; `dense_mlp=False`: a mixture of
+    experts, whose MLPs take no adapters)."""
+    q, kv, h = num_heads * head_dim, num_kv_heads * head_dim, hidden_size
+    per_slot = max_lora_rank * (4 * h + 2 * q + 2 * kv + (3 * h + 3 * intermediate_size if dense_mlp else 0))
+    return num_layers * max_loras * per_slot * dtype_bytes(dtype)
+
+
 @dataclass(frozen=True)
 class CapacityPlan:
     """The result of `plan_capacity`. Bytes and token counts; `max_num_seqs` is the number of sequences

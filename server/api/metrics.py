@@ -245,18 +245,19 @@ class EngineMetrics:
     def watch_lora_adapters(
         self, served: Callable[[], dict[str, str]], failed: Callable[[], dict[str, str]]
     ) -> None:
-        """Export `conveyor:lora_adapter_info{model_name, lora_name, state, error}` = 1, read at each
-        scrape: one series per adapter served (`served()`: name -> path; state `loaded`, error empty)
-        and per adapter `--lora-modules-file` declares that is not served (`failed()`: name -> why;
-        state `failed`, error the reason, at most ERROR_LABEL_CHARS characters). The operator's
-        per-adapter status and the router's adapter filter read it; its label set is bounded by the
+        """Export `conveyor:lora_adapter_info{model_name, lora_name, path, state, error}` = 1, read at
+        each scrape: one series per adapter served (`served()`: name -> path; state `loaded`, error
+        empty) and per adapter `--lora-modules-file` declares that is not served (`failed()`: name ->
+        why; state `failed`, path empty, error the reason, at most ERROR_LABEL_CHARS characters). The
+        operator's per-adapter status reads it, and the router its replicas' adapters (the path seeds
+        the adapter's prefix-cache hashes, `block_hash.lora_hash_root`); its label set is bounded by the
         adapters named to this server."""
         model_name = self.model_name
         if self._lora_adapters is not None:  # an app made again on the same metrics
             self.registry.unregister(self._lora_adapters)
 
         class _Adapters(Collector):
-            _labelnames = ("model_name", "lora_name", "state", "error")  # as prometheus_client's own
+            _labelnames = ("model_name", "lora_name", "path", "state", "error")  # as prometheus_client's own
 
             def describe(self):
                 return [self._family()]
@@ -270,10 +271,10 @@ class EngineMetrics:
 
             def collect(self):
                 family = self._family()
-                for name in served():
-                    family.add_metric([model_name, name, "loaded", ""], 1.0)
+                for name, path in served().items():
+                    family.add_metric([model_name, name, path, "loaded", ""], 1.0)
                 for name, why in failed().items():
-                    family.add_metric([model_name, name, "failed", why[:ERROR_LABEL_CHARS]], 1.0)
+                    family.add_metric([model_name, name, "", "failed", why[:ERROR_LABEL_CHARS]], 1.0)
                 yield family
 
         self._lora_adapters = _Adapters()

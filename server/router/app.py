@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from conveyor.server.api.errors import APIError
 from conveyor.server.api.prompts import chat_request_prompt_ids, completion_prompt_ids
 from conveyor.server.api.protocol import ChatCompletionRequest
+from conveyor.server.block_hash import lora_hash_root
 from conveyor.server.router.config import RouterConfig
 from conveyor.server.router.endpoints import Endpoint, EndpointPool
 from conveyor.server.router.metrics import RouterMetrics
@@ -96,7 +97,9 @@ class Router:
         self.client = client
         self.metrics = metrics
         self.rng = rng or random.Random()
-        self.weights = Weights(config.weight_queue, config.weight_kv, config.weight_prefix)
+        self.weights = Weights(
+            config.weight_queue, config.weight_kv, config.weight_prefix, config.weight_lora
+        )
         self._turn = 0
 
     # -- prompt -> blocks -------------------------------------------------------------------------------
@@ -115,17 +118,22 @@ class Router:
 
     # -- admission and picking --------------------------------------------------------------------------
 
-    async def admit(self, raw: Request, token_ids: list[int] | None, arrival: float) -> tuple[Endpoint, int]:
-        """The replica for this request, counted at it already, and the prompt tokens it is believed to
-        hold. Waits while none is ready (polling the others every second meanwhile); raises APIError
-        503 past `queue_timeout`, 429 when every ready replica is saturated."""
-        hashes_by_size: dict[int, list[bytes]] = {}
+    async def admit(
+        self, raw: Request, token_ids: list[int] | None, arrival: float, adapter: str | None = None
+    ) -> tuple[Endpoint, int]:
+        """The replica for this request (under LoRA `adapter`, None: the base model), counted at it
+        already, and the prompt tokens it is believed to hold. Waits while none is ready (polling the
+        others every second meanwhile); raises APIError 503 past `queue_timeout`, 429 when every ready
+        replica is saturated."""
+        hashes_by: dict[tuple[int, bytes | None], list[bytes]] = {}
 
         def hashes(endpoint: Endpoint) -> list[bytes]:
             size = endpoint.block_size or self.config.block_size
-            if size not in hashes_by_size:
-                hashes_by_size[size] = block_hashes(token_ids, size) if token_ids else []
-            return hashes_by_size[size]
+            path = endpoint.adapters.served.get(adapter) if adapter and endpoint.adapters else None
+            root = lora_hash_root(adapter, path) if adapter and path is not None else None
+            if (size, root) not in hashes_by:
+                hashes_by[size, root] = block_hashes(token_ids, size, root) if token_ids else []
+            return hashes_by[size, root]
 
         def reusable(endpoint: Endpoint) -> list[bytes]:
             """The blocks a replica can skip: never the one holding the prompt's last token, which the
@@ -140,7 +148,7 @@ class Router:
                 endpoints = list(self.pool.endpoints.values())
                 matched = {e.url: e.index.match(reusable(e)) if use_prefix else 0 for e in endpoints}
                 decision = pick(
-                    [e.candidate(matched[e.url]) for e in endpoints],
+                    [e.candidate(matched[e.url], adapter) for e in endpoints],
                     self.config.policy,
                     self.weights,
                     prompt_blocks=max((len(reusable(e)) for e in endpoints), default=0) if use_prefix else 0,
@@ -227,16 +235,19 @@ class Router:
     async def forward(self, raw: Request, path: str) -> Response:
         arrival = time.monotonic()
         body = await raw.body()
-        token_ids = None
+        token_ids, adapter = None, None
         if raw.method == "POST":
             try:
                 payload = json.loads(body)
             except ValueError as exc:
                 raise APIError(400, f"request body is not valid JSON: {exc}") from None
+            if isinstance(payload, dict) and isinstance(payload.get("model"), str):
+                # Any other name than the base model's may be a LoRA adapter of the replicas.
+                adapter = payload["model"] if payload["model"] != self.metrics.model_name else None
             if self.config.policy == "prefix-aware" and isinstance(payload, dict):
                 token_ids = await asyncio.to_thread(self.prompt_token_ids, path, payload)
         for attempt in range(2):
-            endpoint, hit_tokens = await self.admit(raw, token_ids, arrival)
+            endpoint, hit_tokens = await self.admit(raw, token_ids, arrival, adapter)
             try:
                 response, chunks, first = await self._open(raw, endpoint, path, body)
             except _UpstreamFailed as exc:

@@ -54,6 +54,12 @@ class RouterConfig(BaseModel):
     weight_queue: float = Field(1.0, ge=0, description="weight of the queue-depth score")
     weight_kv: float = Field(1.0, ge=0, description="weight of the KV-cache-usage score")
     weight_prefix: float = Field(2.0, ge=0, description="weight of the prefix-affinity score")
+    weight_lora: float = Field(
+        1.0,
+        ge=0,
+        description="weight of the LoRA-affinity score: a request naming an adapter prefers replicas where "
+        "it is resident, then those with a free adapter slot",
+    )
     load_gate: int = Field(
         8,
         ge=0,

@@ -1,8 +1,9 @@
 """The replicas behind the router: their health, load and prefix residency (the router's I/O shell).
 
 Each replica is polled every `scrape_interval`: `GET /health` (200 = ready) and `GET /metrics` (queue
-depth, running requests, KV usage, and `conveyor:cache_config_info` for its block size and KV block
-count). A replica that fails a poll or a proxied connection is taken out and polled again with
+depth, running requests, KV usage, `conveyor:cache_config_info` for its block size and KV block
+count, and with LoRA its adapters: those it serves, from `conveyor:lora_adapter_info`, and those its
+running and waiting requests use, from `conveyor:lora_requests_info`). A replica that fails a poll or a proxied connection is taken out and polled again with
 exponential backoff (0.5 s doubling to 30 s) until it answers. Where prefix residency is exact, one
 long-lived `GET /v1/kv_events` stream per replica feeds its PrefixIndex.
 
@@ -35,6 +36,23 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF = 30.0
 
 
+@dataclass(frozen=True)
+class ReplicaAdapters:
+    """A replica's LoRA adapters as its last poll read them: `served` (name -> the path it loaded, which
+    seeds the adapter's prefix hashes), `active` (adapters of its running or waiting requests: resident
+    in, or about to take, one of its `max_loras` slots)."""
+
+    served: dict[str, str]
+    active: frozenset[str]
+    max_loras: int
+
+    def affinity(self, adapter: str) -> float:
+        """The lora score's input for a request of `adapter`: 1 resident, 0.5 a free slot, else 0."""
+        if adapter in self.active:
+            return 1.0
+        return 0.5 if len(self.active) < self.max_loras else 0.0
+
+
 @dataclass
 class Endpoint:
     """One replica. `in_flight`: requests this router has at the replica now (one writer: the proxy,
@@ -48,13 +66,16 @@ class Endpoint:
     kv_usage: float = 0.0
     block_size: int | None = None
     max_num_seqs: int | None = None
+    adapters: ReplicaAdapters | None = None  # None: the replica serves no LoRA adapters
     in_flight: int = 0
     in_flight_at_poll: int = 0
     sent_since_poll: int = 0
     failures: int = 0
     polled_at: float = 0.0
 
-    def candidate(self, prefix_blocks: int) -> Candidate:
+    def candidate(self, prefix_blocks: int, adapter: str | None = None) -> Candidate:
+        """What the picker knows of this replica for a request whose prompt's first `prefix_blocks`
+        blocks it holds, under LoRA `adapter` (None: the base model)."""
         # The replica's counts include this router's requests as of the poll; the rest is other
         # clients' (other router replicas), which this router cannot see in between polls.
         others = max(0, self.waiting + self.running - self.in_flight_at_poll)
@@ -71,18 +92,30 @@ class Endpoint:
             load=others + self.in_flight,
             kv_usage=self.kv_usage,
             prefix_blocks=prefix_blocks,
+            serves_adapter=adapter is None or (self.adapters is not None and adapter in self.adapters.served),
+            adapter_affinity=self.adapters.affinity(adapter) if adapter and self.adapters else 0.0,
         )
 
     def backoff(self) -> float:
         return min(MAX_BACKOFF, 0.5 * 2 ** max(0, self.failures - 1))
 
 
-def read_metrics(text: str) -> dict[str, float]:
+def read_metrics(text: str) -> tuple[dict[str, float], ReplicaAdapters | None]:
     """The replica's load series summed over label sets, plus `block_size` / `num_blocks` /
-    `max_num_seqs` when it exports `conveyor:cache_config_info` / `conveyor:scheduler_config_info`. Raises ValueError for text that is not Prometheus format."""
+    `max_num_seqs` when it exports `conveyor:cache_config_info` / `conveyor:scheduler_config_info`;
+    and its LoRA adapters when it exports `conveyor:lora_requests_info` (None otherwise). Raises
+    ValueError for text that is not Prometheus format."""
     values: dict[str, float] = {}
+    served: dict[str, str] = {}
+    lora_info: dict[str, str] | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == "conveyor:lora_adapter_info" and sample.labels.get("state") == "loaded":
+                served[sample.labels.get("lora_name", "")] = sample.labels.get("path", "")
+                continue
+            if sample.name == "conveyor:lora_requests_info":
+                lora_info = sample.labels
+                continue
             if sample.name in ("conveyor:cache_config_info", "conveyor:scheduler_config_info"):
                 for key, label in (
                     ("block_size", "block_size"),
@@ -98,7 +131,15 @@ def read_metrics(text: str) -> dict[str, float]:
             ):
                 key = sample.name.removeprefix("conveyor:")
                 values[key] = values.get(key, 0.0) + sample.value
-    return values
+    if lora_info is None:
+        return values, None
+    active = {
+        name
+        for key in ("running_lora_adapters", "waiting_lora_adapters")
+        for name in lora_info.get(key, "").split(",")
+        if name
+    }
+    return values, ReplicaAdapters(served, frozenset(active), int(lora_info.get("max_lora") or 1))
 
 
 class EndpointPool:
@@ -189,7 +230,7 @@ class EndpointPool:
             ready = health.status_code == 200
             metrics = await self.client.get(f"{endpoint.url}/metrics", timeout=5.0)
             metrics.raise_for_status()
-            values = read_metrics(metrics.text)
+            values, adapters = read_metrics(metrics.text)
         except (httpx.HTTPError, ValueError) as exc:
             endpoint.ready = False
             endpoint.failures += 1
@@ -201,6 +242,7 @@ class EndpointPool:
             endpoint.waiting = int(values.get("num_requests_waiting", 0))
             endpoint.running = int(values.get("num_requests_running", 0))
             endpoint.kv_usage = values.get("kv_cache_usage_perc", 0.0)
+            endpoint.adapters = adapters
             if "block_size" in values:
                 endpoint.block_size = int(values["block_size"])
             if "max_num_seqs" in values:

@@ -26,7 +26,7 @@ class RouterMetrics:
         )
         self.requests = Counter(
             "conveyor:router_requests",
-            "Requests sent to a replica, by the picker's reason (prefix, gated, load, round-robin).",
+            "Requests sent to a replica, by the picker's reason (prefix, adapter, gated, load, round-robin).",
             ["model_name", "endpoint", "decision"],
             registry=r,
         )

@@ -19,10 +19,11 @@ from collections import OrderedDict
 from conveyor.server.block_hash import hash_block
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """The hash chain of the full blocks of `token_ids` (a trailing partial block has no hash)."""
+def block_hashes(token_ids: list[int], block_size: int, root: bytes | None = None) -> list[bytes]:
+    """The hash chain of the full blocks of `token_ids` (a trailing partial block has no hash); `root`:
+    the first block's parent, `lora_hash_root(name, path)` under a LoRA adapter, as the engine's."""
     hashes: list[bytes] = []
-    parent: bytes | None = None
+    parent: bytes | None = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

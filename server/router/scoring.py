@@ -9,6 +9,10 @@ remaining one in [0, 1] per scorer, sum the scores times their weights, take the
     prefix  leading prompt blocks the replica holds / the prompt's full blocks; 0 for a replica whose
             load exceeds the least-loaded candidate's by more than `load_gate` (affinity never keeps
             feeding a replica that is far behind)
+    lora    for a request naming a LoRA adapter: 1 where the adapter is resident (requests of it run or
+            wait there), 0.5 where a slot is free to take it, else 0 (the Gateway API Inference
+            Extension's LoRA affinity); replicas that do not serve the adapter are filtered out first,
+            unless none serves it (the replica then answers 404 itself)
 
 Ties (equal totals) are broken at random per request, so idle replicas share a burst instead of the
 first one taking it. `least-load` is `prefix-aware` with the prefix weight at 0; `round-robin` takes
@@ -40,6 +44,8 @@ class Candidate:
     load: int
     kv_usage: float = 0.0
     prefix_blocks: int = 0
+    serves_adapter: bool = True  # the request's adapter is served there (True for a base-model request)
+    adapter_affinity: float = 0.0  # the lora score's input: 1 resident, 0.5 a free slot, 0 neither
 
 
 @dataclass(frozen=True)
@@ -47,13 +53,15 @@ class Weights:
     queue: float = 1.0
     kv: float = 1.0
     prefix: float = 2.0
+    lora: float = 1.0
 
 
 @dataclass(frozen=True)
 class Decision:
     """The pick. `endpoint` None means nobody can take the request now: `reason` is `no-ready` (wait)
-    or `saturated` (429). Otherwise `reason` is `prefix` (the pick holds part of the prompt), `gated`
-    (a holder was skipped by the load gate), `load` or `round-robin`."""
+    or `saturated` (429). Otherwise `reason` is `prefix` (the pick holds part of the prompt), `adapter`
+    (the pick has the request's LoRA adapter resident), `gated` (a holder was skipped by the load
+    gate), `load` or `round-robin`."""
 
     endpoint: str | None
     reason: str
@@ -75,6 +83,7 @@ def pick(
     ready = [c for c in candidates if c.ready]
     if not ready:
         return Decision(None, "no-ready", {})
+    ready = [c for c in ready if c.serves_adapter] or ready
     eligible = [c for c in ready if c.waiting < max_waiting]
     if not eligible:
         return Decision(None, "saturated", {})
@@ -92,9 +101,19 @@ def pick(
         prefix = c.prefix_blocks / prompt_blocks if prompt_blocks else 0.0
         if prefix and c.load > low + load_gate:
             gated, prefix = gated or prefix_weight > 0, 0.0
-        scores[c.name] = weights.queue * queue + weights.kv * (1.0 - c.kv_usage) + prefix_weight * prefix
+        scores[c.name] = (
+            weights.queue * queue
+            + weights.kv * (1.0 - c.kv_usage)
+            + prefix_weight * prefix
+            + weights.lora * c.adapter_affinity
+        )
     best = max(scores.values())
     chosen = rng.choice([name for name, s in scores.items() if s >= best - _TIE])
-    held = next(c.prefix_blocks for c in eligible if c.name == chosen)
-    reason = "prefix" if prefix_weight and held else ("gated" if gated else "load")
+    pick_ = next(c for c in eligible if c.name == chosen)
+    if prefix_weight and pick_.prefix_blocks:
+        reason = "prefix"
+    elif weights.lora and pick_.adapter_affinity == 1.0:
+        reason = "adapter"
+    else:
+        reason = "gated" if gated else "load"
     return Decision(chosen, reason, scores)

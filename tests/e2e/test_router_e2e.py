@@ -381,3 +381,70 @@ def test_a_dying_replica_loses_no_unstarted_request_and_is_used_again_when_back(
     with ThreadPoolExecutor(6) as pool:
         assert [r.status_code for r in pool.map(complete, range(6))] == [200] * 6
     assert total(scrape(back.base_url), "conveyor:request_success_total") >= 1
+
+
+def _adapter(path: Path) -> str:
+    """A rank-2 PEFT adapter of the embedded model's q_proj on every layer (random, non-zero)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})
+    )
+    key = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+    tensors = {key.format(i, "A"): torch.randn(2, 576) * 0.05 for i in range(30)}
+    tensors |= {key.format(i, "B"): torch.randn(576, 2) * 0.05 for i in range(30)}
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+def test_adapter_requests_go_to_the_replicas_serving_the_adapter(tmp_path) -> None:
+    """Two replicas with LoRA on; an adapter loaded at runtime on one of them is seen by the router at
+    its next poll and every request naming it goes there, then follows it when it moves to the other."""
+    lora = ["--enable-lora", "--max-loras", "2", "--allow-runtime-lora-updating"]
+    servers = [spawn_serve(tmp_path / f"lora-serve-{i}.log", *lora) for i in range(2)]
+    router_process = None
+    try:
+        for s in servers:
+            wait_ready(s)
+        a, b = servers
+        router_process = start_router(
+            tmp_path / "router.log", "--endpoint", a.base_url, "--endpoint", b.base_url
+        )
+        wait_until(lambda: ready_replicas(router_process) == 2, "both replicas ready")
+        path = _adapter(tmp_path / "sql")
+        api = client(router_process.base_url)
+
+        def sent(to: str) -> int:
+            samples = router_process.metrics()
+            return int(total(samples, "conveyor:router_requests_total", endpoint=to))
+
+        def ask() -> str:
+            out = api.completions.create(model="sql", prompt="SELECT", max_tokens=3, temperature=0)
+            assert out.model == "sql"
+            return out.choices[0].text
+
+        for holder, other in ((b, a), (a, b)):
+            loaded = httpx.post(
+                f"{holder.base_url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": path}
+            )
+            assert loaded.status_code == 200, loaded.text
+            time.sleep(1.0)  # the router's next polls (every 0.25 s) see it
+            before = (sent(holder.base_url), sent(other.base_url))
+            answers = {ask() for _ in range(6)}
+            assert len(answers) == 1
+            assert (sent(holder.base_url) - before[0], sent(other.base_url) - before[1]) == (6, 0)
+            httpx.post(
+                f"{holder.base_url}/v1/unload_lora_adapter", json={"lora_name": "sql"}
+            ).raise_for_status()
+            time.sleep(1.0)
+        with pytest.raises(openai.NotFoundError):  # served nowhere now: a replica's own 404
+            ask()
+    finally:
+        if router_process is not None:
+            stop_process(router_process.proc)
+        for s in servers:
+            stop_process(s.proc)

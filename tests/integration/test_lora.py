@@ -369,6 +369,7 @@ def test_a_lora_modules_file_is_kept_in_step_while_serving(adapters, tokenizer, 
     from prometheus_client import generate_latest
 
     from conveyor.server.api.metrics import EngineMetrics
+    from conveyor.server.capacity import lora_slot_bytes
     from conveyor.server.config import LoRAConfig
     from conveyor.server.engine.builder import build_engine
 
@@ -398,10 +399,21 @@ def test_a_lora_modules_file_is_kept_in_step_while_serving(adapters, tokenizer, 
             set(engine.lora.failures()) == {"ghost"}
             and "is not a directory" in engine.lora.failures()["ghost"]
         )
-        engine.observer.watch_lora_adapters(lambda: {n: "" for n in engine.lora.names}, engine.lora.failures)
+        engine.observer.watch_lora_adapters(
+            lambda: {n: engine.lora.path(n) for n in engine.lora.names}, engine.lora.failures
+        )
         scrape = generate_latest(engine.observer.registry).decode()
-        assert f'conveyor:lora_adapter_info{{error="",lora_name="{first}",model_name=' in scrape
-        assert 'lora_name="ghost",model_name="SmolLM2-135M-Instruct",state="failed"} 1.0' in scrape
+        assert (
+            f'conveyor:lora_adapter_info{{error="",lora_name="{first}",model_name="SmolLM2-135M-Instruct",'
+            f'path="{adapters[first][0]}",state="loaded"}} 1.0'
+        ) in scrape
+        assert 'lora_name="ghost",model_name="SmolLM2-135M-Instruct",path="",state="failed"} 1.0' in scrape
+        # The operator's plan counts exactly the slots the server allocates.
+        shape = engine.runner.model.shape
+        assert engine.runner.lora.num_bytes == lora_slot_bytes(
+            shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+            shape.intermediate_size, 2, 16, "float32",
+        )  # fmt: skip
         jobs = [(first, tokenizer(PROMPTS[0])), (third, tokenizer(PROMPTS[1]))]
         assert _run(engine, jobs)[0] == [adapters[first][1][0], adapters[third][1][1]]
 

@@ -37,7 +37,14 @@ kwok simulates every pod on the local cluster's GPU nodes, but on a cluster star
   Router processes read their replicas from a file this runner rewrites (`--endpoint-file`) instead of
   EndpointSlices, whose addresses no process here listens on.
 
-Only httpGet probes are run (the operator renders no other kind); init containers, sidecars and
+- **ConfigMap volumes.** A container's mounts of `configMap` volumes are projected into a directory
+  of the pod's (`<workdir>/volumes/...`), one file per key, and arguments naming a path under the mount
+  point are rewritten to it. A missing ConfigMap that is not `optional` keeps the container waiting
+  (`ContainerCreating`, the kubelet's FailedMount) until it appears. While the process runs, its files
+  follow the ConfigMap (each changed file replaced atomically, as the kubelet's symlink swap is; here
+  within a tick, where the kubelet takes up to about a minute).
+
+Only httpGet probes are run (the operator renders no other kind); init containers, sidecars and other
 volumes are not modelled: env values pointing into a volume mount are dropped, so caches go to the
 host's defaults, shared by every pod (the embedded model is converted once); `resourceFieldRef` and
 `$(VAR)` expansion are not resolved.
@@ -434,6 +441,8 @@ class LocalPod:
     waiting: tuple[str, str] | None = None
     reported: dict[str, Any] | None = field(default=None, repr=False)
     transitions: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False)
+    # ConfigMap volumes mounted: (ConfigMap name, optional, the local directory standing for the mount)
+    config_maps: list[tuple[str, bool, Path]] = field(default_factory=list, repr=False)
 
     @property
     def key(self) -> str:
@@ -563,6 +572,9 @@ class LocalPods:
             pod = self.pods[uid]
             if manifest["metadata"].get("deletionTimestamp"):
                 self._terminate(pod)
+        for pod in self.pods.values():
+            if pod.config_maps and pod.alive and pod.terminating_since is None:
+                self._project(pod)
         self._supervise()
         self._start_waiting()
         for pod in list(self.pods.values()):
@@ -597,9 +609,47 @@ class LocalPods:
             pod.waiting = (UNSUPPORTED_REASON, str(error))
             logger.warning("pod %s: %s", pod.key, error)
             return pod
+        self._mount_config_maps(pod, spec)
         for note in pod.command.notes:
             logger.info("pod %s: %s", pod.key, note)
         return pod
+
+    def _mount_config_maps(self, pod: LocalPod, spec: dict[str, Any]) -> None:
+        """Give each configMap volume the container mounts a local directory, and point the arguments
+        under its mount path there."""
+        assert pod.command is not None
+        volumes = {v["name"]: v["configMap"] for v in spec.get("volumes") or [] if "configMap" in v}
+        for mount in pod.container.get("volumeMounts") or []:
+            source = volumes.get(mount["name"])
+            if source is None:
+                continue
+            local = self.workdir / "volumes" / f"{pod.namespace}_{pod.name}" / mount["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            pod.config_maps.append((source["name"], bool(source.get("optional")), local))
+            path = mount["mountPath"].rstrip("/")
+            argv = pod.command.argv
+            for i, arg in enumerate(argv):
+                if arg == path or arg.startswith(path + "/"):
+                    argv[i] = str(local) + arg[len(path) :]
+                    pod.command.notes.append(f"{arg} -> {argv[i]} (ConfigMap {source['name']})")
+
+    def _project(self, pod: LocalPod) -> str | None:
+        """Write the pod's ConfigMaps into their directories (only files that changed, each replaced
+        whole); the kubelet's FailedMount message when one that is not optional is missing."""
+        for name, optional, local in pod.config_maps:
+            config_map = self._read("ConfigMap", pod.namespace, name)
+            if config_map is None and not optional:
+                return f'MountVolume.SetUp failed: configmap "{name}" not found'
+            data = (config_map or {}).get("data") or {}
+            for stale in [f for f in local.iterdir() if f.name not in data and not f.name.startswith(".")]:
+                stale.unlink()
+            for key, value in data.items():
+                target = local / key
+                if not target.is_file() or target.read_text() != value:
+                    tmp = local / f".{key}.tmp"
+                    tmp.write_text(value)
+                    tmp.replace(target)
+        return None
 
     def _endpoint_file(self, namespace: str, isvc: str) -> Path:
         return self.workdir / "endpoints" / f"{namespace}_{isvc}.txt"
@@ -645,6 +695,12 @@ class LocalPods:
             return
         for note in notes:
             logger.info("pod %s: %s", pod.key, note)
+        mount_error = self._project(pod)
+        if mount_error is not None:
+            if pod.waiting != ("ContainerCreating", mount_error):
+                logger.warning("pod %s: %s", pod.key, mount_error)
+                pod.waiting = ("ContainerCreating", mount_error)
+            return
         pod.log_path = self.workdir / "pods" / f"{pod.namespace}_{pod.name}.log"
         with pod.log_path.open("ab") as log:
             log.write(f"--- {_now()} {' '.join(pod.command.argv)}\n".encode())

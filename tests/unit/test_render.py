@@ -642,6 +642,8 @@ def test_router_args_are_exact() -> None:
         "0.5",
         "--weight-prefix",
         "0.0",
+        "--weight-lora",
+        "1.0",
         "--tokenizer",
         "meta-llama/Meta-Llama-3-8B-Instruct",
         "--served-model-name",
@@ -661,6 +663,8 @@ def test_router_args_are_exact() -> None:
         "1.0",
         "--weight-prefix",
         "2.0",
+        "--weight-lora",
+        "1.0",
         "--tokenizer",
         "meta-llama/Meta-Llama-3-8B-Instruct",
         "--served-model-name",
@@ -1030,3 +1034,117 @@ def test_a_draft_model_is_rendered_and_planned_with_its_weights_and_kv() -> None
     )
     with pytest.raises(TensorParallelSizeError, match="engine.speculative.model runs on one rank"):
         plan_for_spec(two_ranks)
+
+
+def _lora_spec(adapters: list[dict[str, str]], **lora: Any) -> InferenceServiceSpec:
+    return _spec(model={"uri": "pvc://weights/llama/8b", "lora": {"adapters": adapters, **lora}})
+
+
+def test_lora_adapters_render_a_config_map_every_server_pod_mounts() -> None:
+    spec = _lora_spec(
+        [
+            {"name": "sql", "uri": "hf://org/sql-lora"},
+            {"name": "de", "uri": "pvc://adapters/de"},
+            {"name": "shared", "uri": "pvc://weights/adapters/shared"},
+            {"name": "local", "uri": "/models/hf-cache/adapters/local"},
+        ],
+        maxAdapters=2,
+        maxRank=32,
+    )
+    objects = render_all(OWNER, spec, plan_for_spec(spec), 2, service_monitor=False)
+    config_map = objects[0]
+    assert (config_map["kind"], config_map["metadata"]["name"]) == ("ConfigMap", "llama-lora-adapters")
+    assert config_map["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+    assert json.loads(config_map["data"]["adapters.json"]) == [
+        {"name": "sql", "path": "org/sql-lora"},
+        {"name": "de", "path": "/models/adapters/de"},
+        {"name": "shared", "path": "/models/weights/adapters/shared"},
+        {"name": "local", "path": "/models/hf-cache/adapters/local"},
+    ]
+    pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert "--enable-lora" in args
+    assert _flag(args, "--lora-modules-file") == "/etc/conveyor/lora/adapters.json"
+    assert (_flag(args, "--max-loras"), _flag(args, "--max-lora-rank")) == ("2", "32")
+    assert {"name": "lora-adapters", "configMap": {"name": "llama-lora-adapters"}} in pod["volumes"]
+    assert {"name": "lora-adapters", "mountPath": "/etc/conveyor/lora", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    # The adapters' claim is mounted once, read-only; the model's own claim is not mounted twice.
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert sorted(claims) == ["adapters", "weights"]
+    assert {"mountPath": "/models/adapters", "readOnly": True}.items() <= next(
+        m for m in container["volumeMounts"] if m["mountPath"] == "/models/adapters"
+    ).items()
+
+
+def test_adding_or_removing_an_adapter_leaves_the_pod_template_alone() -> None:
+    """Only the ConfigMap changes, so no pod restarts; the server re-reads the file."""
+    one = _lora_spec([{"name": "sql", "uri": "hf://org/sql-lora"}])
+    two = _lora_spec([{"name": "sql", "uri": "hf://org/sql-lora"}, {"name": "de", "uri": "/adapters/de"}])
+    none = _lora_spec([])
+    templates = [_deployment(s)["spec"]["template"] for s in (one, two, none)]
+    assert templates[0] == templates[1] == templates[2]
+    assert _deployment(_spec())["spec"]["template"] != templates[0]  # turning LoRA on is a rollout
+
+
+def test_lora_adapters_are_checked_in_the_spec() -> None:
+    with pytest.raises(ValueError, match="adapter names must be unique: sql repeated"):
+        _lora_spec([{"name": "sql", "uri": "hf://org/a"}, {"name": "sql", "uri": "hf://org/b"}])
+    with pytest.raises(ValueError, match="'llama-3-8b' is the model's own name"):
+        _lora_spec([{"name": "llama-3-8b", "uri": "hf://org/a"}])
+    for uri in ("relative/path", "s3://bucket/a", "hf://only-org"):
+        with pytest.raises(ValueError, match="uri"):
+            _lora_spec([{"name": "a", "uri": uri}])
+    with pytest.raises(ValueError, match="maxRank"):
+        _lora_spec([], maxRank=2048)
+
+
+def test_the_plan_counts_the_adapter_slots() -> None:
+    """maxAdapters slots of maxRank on Llama-3-8B's seven projections of 32 layers, bfloat16:
+    R * (7 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336) elements per layer and slot."""
+    base = plan_for_spec(_spec())
+    plan = plan_for_spec(_lora_spec([], maxAdapters=4, maxRank=16))
+    per_slot_and_layer = 16 * (7 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336)
+    assert plan.lora_bytes == 32 * 4 * per_slot_and_layer * 2
+    assert plan.weight_bytes == base.weight_bytes + plan.lora_bytes
+    assert plan.capacity.kv_pool_bytes < base.capacity.kv_pool_bytes
+    assert "lora adapters" in format_plan(plan) and "lora adapters" not in format_plan(base)
+
+
+def test_status_keeps_the_adapters_timer_fields_while_lora_is_on() -> None:
+    timer = {
+        "conditions": [
+            {"type": "AdaptersReady", "status": "True", "reason": "AdaptersLoaded", "message": ""}
+        ],
+        "loraAdapters": [{"name": "sql", "loadedReplicas": 1, "readyReplicas": 1}],
+    }
+    spec = _lora_spec([{"name": "sql", "uri": "hf://org/sql-lora"}])
+    kwargs = dict(name="llama", namespace="serving", generation=3, failure=None, deployment=None, now=NOW)
+    kept = build_status(spec=spec, plan=plan_for_spec(spec), previous=timer, **kwargs)
+    assert kept["loraAdapters"] == timer["loraAdapters"]
+    assert "AdaptersReady" in _conditions(kept)
+    gone = build_status(spec=_spec(), plan=plan_for_spec(_spec()), previous=timer, **kwargs)
+    assert gone["loraAdapters"] is None and "AdaptersReady" not in _conditions(gone)
+
+
+def test_the_router_and_its_inference_pool_render_beside_adapters() -> None:
+    """The router reads the replicas' adapters itself; its objects and the InferencePool (whose endpoint
+    picker reads `vllm:lora_requests_info`) are those of a service without adapters."""
+    raw = {**_lora_spec([{"name": "sql", "uri": "hf://org/sql-lora"}]).model_dump(by_alias=True)}
+    raw["router"] = {"enabled": True}
+    with_lora = parse_spec(raw)
+    without = parse_spec({**raw, "model": {**raw["model"], "lora": None}})
+
+    def router_objects(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+        objects = render_all(OWNER, spec, plan_for_spec(spec), 1, service_monitor=True, inference_pool=True)
+        return [
+            o
+            for o in objects
+            if o["kind"] not in ("ConfigMap", "Deployment") or "router" in o["metadata"]["name"]
+        ]
+
+    kinds = [o["kind"] for o in router_objects(with_lora)]
+    assert "InferencePool" in kinds
+    assert router_objects(with_lora) == router_objects(without)

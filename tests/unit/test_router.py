@@ -14,7 +14,7 @@ from conveyor.server.engine.kv_cache import KVCacheManager
 from conveyor.server.engine.request import Request
 from conveyor.server.messages import SamplingParams
 from conveyor.server.router.config import RouterConfig
-from conveyor.server.router.endpoints import Endpoint, read_metrics, slice_urls
+from conveyor.server.router.endpoints import Endpoint, ReplicaAdapters, read_metrics, slice_urls
 from conveyor.server.router.prefix import PrefixIndex, block_hashes
 from conveyor.server.router.scoring import Candidate, Weights, pick
 
@@ -203,14 +203,64 @@ def test_read_metrics_of_a_replica() -> None:
             'conveyor:scheduler_config_info{max_num_batched_tokens="2048",max_num_seqs="11",model_name="m"} 1.0',
         ]
     )
-    assert read_metrics(text) == {
-        "num_requests_waiting": 3.0,
-        "num_requests_running": 5.0,
-        "kv_cache_usage_perc": 0.25,
-        "block_size": 16.0,
-        "num_blocks": 1024.0,
-        "max_num_seqs": 11.0,
-    }
+    assert read_metrics(text) == (
+        {
+            "num_requests_waiting": 3.0,
+            "num_requests_running": 5.0,
+            "kv_cache_usage_perc": 0.25,
+            "block_size": 16.0,
+            "num_blocks": 1024.0,
+            "max_num_seqs": 11.0,
+        },
+        None,
+    )
+
+
+def test_read_metrics_of_a_replica_with_lora_adapters() -> None:
+    text = "\n".join(
+        [
+            "# TYPE conveyor:lora_requests_info gauge",
+            'conveyor:lora_requests_info{max_lora="2",running_lora_adapters="sql,de",waiting_lora_adapters="fr"} 1.7e9',
+            "# TYPE conveyor:lora_adapter_info gauge",
+            'conveyor:lora_adapter_info{error="",lora_name="sql",model_name="m",path="/a/sql",state="loaded"} 1.0',
+            'conveyor:lora_adapter_info{error="",lora_name="de",model_name="m",path="org/de",state="loaded"} 1.0',
+            'conveyor:lora_adapter_info{error="rank",lora_name="bad",model_name="m",path="",state="failed"} 1.0',
+        ]
+    )
+    _, adapters = read_metrics(text)
+    assert adapters == ReplicaAdapters({"sql": "/a/sql", "de": "org/de"}, frozenset({"sql", "de", "fr"}), 2)
+    assert (adapters.affinity("sql"), adapters.affinity("it")) == (1.0, 0.0)
+    assert ReplicaAdapters({}, frozenset({"sql"}), 2).affinity("de") == 0.5  # a free slot
+
+
+def test_an_adapter_request_goes_where_the_adapter_is_served_then_resident() -> None:
+    def replica(name: str, served: set[str], active: set[str], load: int = 0) -> Candidate:
+        endpoint = Endpoint(name, running=load)
+        endpoint.ready = True
+        endpoint.adapters = ReplicaAdapters({a: f"/adapters/{a}" for a in served}, frozenset(active), 1)
+        return endpoint.candidate(0, "sql")
+
+    # Only one replica serves it: it wins even when it is the busiest.
+    decision = choose([replica("a", set(), set()), replica("b", {"sql"}, set(), load=9)])
+    assert decision.endpoint == "b"
+    # Both serve it: the one holding it resident wins at equal load, and the reason says so.
+    decision = choose([replica("a", {"sql"}, {"de"}), replica("b", {"sql"}, {"sql"})])
+    assert (decision.endpoint, decision.reason) == ("b", "adapter")
+    # Nobody serves it (an unknown name): every replica stays a candidate, the replica answers 404.
+    assert choose([replica("a", set(), set()), replica("b", set(), set())]).endpoint in ("a", "b")
+    # A base-model request ignores adapters.
+    base = Endpoint("c")
+    base.ready = True
+    assert base.candidate(0).serves_adapter and base.candidate(0).adapter_affinity == 0.0
+
+
+def test_prefix_hashes_under_an_adapter_start_from_its_root() -> None:
+    from conveyor.server.block_hash import lora_hash_root
+
+    tokens = list(range(32))
+    root = lora_hash_root("sql", "/adapters/sql")
+    under, base = block_hashes(tokens, 16, root), block_hashes(tokens, 16)
+    assert len(under) == len(base) == 2 and not set(under) & set(base)
 
 
 def test_router_config_needs_exactly_one_source_of_replicas() -> None:

@@ -208,12 +208,13 @@ def test_examples_parse_and_plan(path: Path) -> None:
     assert plan.max_num_seqs >= 1
 
 
-def test_there_are_four_examples() -> None:
+def test_there_are_five_examples() -> None:
     assert [p.name for p in EXAMPLES] == [
         "llama-3-70b-4xa100.yaml",
         "llama-3-8b-a100.yaml",
         "smollm2-135m-autoscaling.yaml",
         "smollm2-135m-l4.yaml",
+        "smollm2-135m-lora.yaml",
     ]
 
 
@@ -276,7 +277,7 @@ def test_router_is_off_unless_enabled_and_has_the_routers_defaults() -> None:
         "weights": {"kv": 0},
     }
     dumped = parse_spec({**MINIMAL, "router": raw}).model_dump(by_alias=True, exclude_none=True)["router"]
-    assert dumped == {**raw, "weights": {"queue": 1.0, "kv": 0.0, "prefix": 2.0}}
+    assert dumped == {**raw, "weights": {"queue": 1.0, "kv": 0.0, "prefix": 2.0, "lora": 1.0}}
 
 
 def test_crd_router_schema_and_name_rule() -> None:
@@ -292,6 +293,7 @@ def test_crd_router_schema_and_name_rule() -> None:
         "queue": 1.0,
         "kv": 1.0,
         "prefix": 2.0,
+        "lora": 1.0,
     }
     # <name>-router names a Service (a DNS-1035 label of at most 63 characters).
     (rule,) = [r for r in schema["x-kubernetes-validations"] if "router" in r["rule"]]
