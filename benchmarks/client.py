@@ -42,9 +42,9 @@ class RequestSettings:
 
 
 def build_payload(sample: SampleRequest, settings: RequestSettings) -> dict[str, Any]:
-    """The JSON body for one streamed request."""
+    """The JSON body for one streamed request (`model`: the sample's, e.g. a LoRA adapter, else the run's)."""
     payload: dict[str, Any] = {
-        "model": settings.model,
+        "model": sample.model or settings.model,
         "max_tokens": sample.output_len,
         "temperature": settings.temperature,
         "stream": True,

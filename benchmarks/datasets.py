@@ -38,15 +38,18 @@ class SampleRequest:
         prompt: token ids, or text for the ``file`` dataset and after ``to_text``.
         prompt_len: prompt length in tokens.
         output_len: exact number of tokens to generate.
+        model: the ``model`` sent instead of the run's (a LoRA adapter's name), None for the run's.
     """
 
     prompt: list[int] | str
     prompt_len: int
     output_len: int
+    model: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSONL form read back by ``load_jsonl``."""
-        return {"prompt": self.prompt, "prompt_len": self.prompt_len, "output_len": self.output_len}
+        row = {"prompt": self.prompt, "prompt_len": self.prompt_len, "output_len": self.output_len}
+        return row if self.model is None else {**row, "model": self.model}
 
 
 class Tokenizer(Protocol):
@@ -169,7 +172,7 @@ def prefix_shared_dataset(
 def load_jsonl(
     path: str | Path, num_prompts: int | None = None, tokenizer: Tokenizer | None = None
 ) -> list[SampleRequest]:
-    """Read requests from JSONL (``prompt``, ``output_len``, optional ``prompt_len``).
+    """Read requests from JSONL (``prompt``, ``output_len``, optional ``prompt_len`` and ``model``).
 
     A text prompt without ``prompt_len`` is measured with ``tokenizer``; raises ValueError when there is none,
     or when a line lacks ``prompt`` or a positive ``output_len``. Reads at most ``num_prompts`` requests.
@@ -194,7 +197,7 @@ def load_jsonl(
                 prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
             else:
                 raise ValueError(f"{path}:{line_no}: text prompt without 'prompt_len' needs a tokenizer")
-            samples.append(SampleRequest(prompt, prompt_len, output_len))
+            samples.append(SampleRequest(prompt, prompt_len, output_len, row.get("model")))
     return samples
 
 

@@ -5,6 +5,10 @@
   the same Hugging Face copy of the model: offline at conveyor's ``--dtype auto`` choice and at float32,
   then online (Poisson) at 50 % and 90 % of vLLM's measured offline capacity, at the auto dtype. Writes
   ``<results>/vllm_*.json``, ``<results>/conveyor_*_vs_vllm*.json`` and ``<results>/vllm.md``.
+- **vLLM's CPU build with LoRA** (``--peers vllm-lora``): both servers with the same ``--lora-adapters``
+  (16) PEFT adapters of rank ``--lora-rank`` (8) on the seven projections, ``--enable-lora --max-loras``
+  the adapter count, the main workload's requests naming the adapters in turn, offline at conveyor's
+  auto dtype. Writes ``<results>/*_lora<N>_r<R>.json`` and ``<results>/vllm_lora.md``.
 - **llama-cpp-python** (its own venv, default ``~/.cache/conveyor/llama-cpp-venv``; its wheel compiles
   llama.cpp, about 6 minutes on 2 cores, once per machine) against conveyor ``--quantization gguf``, both
   on the Q4_1 weights as they are in the file, the same threads (``--threads``) and the same text
@@ -27,7 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +202,94 @@ def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params:
     return 0 if failed == 0 else 1
 
 
+def run_vllm_lora(args: argparse.Namespace, results: Path, samples: list, num_params: int) -> int:
+    """vLLM CPU and conveyor with the same `--lora-adapters` PEFT adapters of rank `--lora-rank` (made
+    with peft on the embedded model's seven projections, `benchmarks/lora.py`), the main workload's
+    requests naming them in turn, offline at conveyor's auto dtype and at float32, every adapter
+    resident (`--max-loras` = the adapter count); writes the runs and ``vllm_lora.md``. 0 when every
+    request of every run succeeded."""
+    from conveyor.benchmarks.lora import make_adapters
+    from conveyor.server.engine.builder import pick_dtype
+    from conveyor.server.model.loader import converted, resolve_model
+
+    python = ensure_vllm(Path(args.vllm_venv))
+    model_dir = str(vllm_model_dir(Path(converted(resolve_model(None)).path)))
+    auto = str(pick_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
+    dtypes = list(dict.fromkeys([auto, "float32"]))
+    threads, count, rank = args.vllm_threads, args.lora_adapters, args.lora_rank
+    logs = Path(tempfile.mkdtemp(prefix="conveyor-peers-vllm-lora-"))
+    paths = make_adapters(logs / "adapters", [rank], count)[rank]
+    names = [f"lora-{i}" for i in range(count)]
+    modules = [f"{name}={path}" for name, path in zip(names, paths, strict=True)]
+    spread = [replace(s, model=names[i % count]) for i, s in enumerate(samples)]
+    lora_flags = [
+        "--enable-lora",
+        "--max-loras",
+        str(count),
+        "--max-lora-rank",
+        str(rank),
+        "--lora-modules",
+        *modules,
+    ]
+    print(
+        f"[peers] vLLM vs conveyor with {count} rank-{rank} LoRA adapters, {dtypes}, logs in {logs}",
+        flush=True,
+    )
+    runs: list[dict[str, Any]] = []
+    ratios: list[str] = []
+    failed = 0
+
+    def measure(server: ServerProcess, system: str, dtype: str, peak: float) -> float:
+        """One offline run on a started server; its output tokens per second."""
+        nonlocal failed
+        settings = RequestSettings(model=asyncio.run(served_model_id(server.base_url)))
+        asyncio.run(warmup(server.base_url, spread[:2], settings, 2))
+        records, duration = asyncio.run(run_benchmark(server.base_url, spread, settings, seed=0))
+        scenario = f"offline {dtype}, {count} rank-{rank} adapters"
+        run = _run_entry(system, scenario, spread, records, duration, args.goodput, peak, num_params,
+                         None, dtype=dtype, threads=threads, lora_adapters=count, lora_rank=rank)  # fmt: skip
+        _save(results, f"{system.split()[0]}_{dtype}_lora{count}_r{rank}", run, records)
+        runs.append(run)
+        failed += run["metrics"]["failed"]
+        errors = [r.error for r in records if not r.success]
+        if errors:
+            print(f"[peers] {system} / {scenario}: {len(errors)} failed, first: {errors[0]}", flush=True)
+        return run["metrics"]["output_throughput"]
+
+    for dtype in dtypes:
+        peak = measure_matmul_peak(dtype, threads)["flops_per_s"]
+        port = free_port()
+        command = (
+            vllm_command(python, model_dir, port, dtype, args.max_num_seqs, VLLM_MAX_MODEL_LEN) + lora_flags
+        )
+        try:
+            with ServerProcess(command, port, logs / f"vllm_{dtype}.log", threads, 1200.0,
+                               env=vllm_env(threads)) as server:  # fmt: skip
+                theirs = measure(server, f"vLLM CPU {VLLM_VERSION}", dtype, peak)
+            flags = ["--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs), *lora_flags]
+            with ConveyorServer(flags, logs / f"conveyor_{dtype}.log", threads) as server:
+                ours = measure(server, "conveyor", dtype, peak)
+        except ServerStartError as err:
+            print(f"[peers] LoRA {dtype}: {err}", flush=True)
+            failed += 1
+            continue
+        if theirs:
+            ratios.append(f"{dtype} **{ours / theirs:.2f}x**")
+    text = (
+        "# vLLM CPU and conveyor with LoRA adapters, same workload, same machine, one run\n\n"
+        f"Command: `make bench-peers BENCH_ARGS='--peers vllm-lora'`. CPU: {cpu_flags()}, {os.cpu_count()} "
+        f"cores; both servers on {threads} threads, --max-num-seqs {args.max_num_seqs}, the same {count} "
+        f"rank-{rank} PEFT adapters (all seven projections) loaded with `--enable-lora --lora-modules` and "
+        f"`--max-loras {count}`; the main workload's requests name the adapters in turn.\n\n"
+        f"conveyor / vLLM offline output throughput: {', '.join(ratios) or 'not measured'}.\n\n"
+        + report.runs_table(runs)
+        + "\n"
+    )
+    (results / "vllm_lora.md").write_text(text)
+    print(text)
+    return 0 if failed == 0 else 1
+
+
 VLLM_SECTION = "## Against vLLM's CPU build (make bench-peers)"
 
 
@@ -317,7 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     """Benchmark the peers on a results folder's main workload; 0 when all requests succeed."""
     parser = argparse.ArgumentParser(prog="python -m conveyor.benchmarks.run_peers", description=__doc__)
     parser.add_argument("--results", default=None, help="a make bench results folder; default: the newest")
-    parser.add_argument("--peers", nargs="+", choices=("vllm", "llama-cpp"), default=["vllm", "llama-cpp"])
+    parser.add_argument(
+        "--peers",
+        nargs="+",
+        choices=("vllm", "vllm-lora", "llama-cpp"),
+        default=["vllm", "vllm-lora", "llama-cpp"],
+    )
     parser.add_argument("--venv", default=str(DEFAULT_VENV), help="llama-cpp-python's venv")
     parser.add_argument(
         "--threads",
@@ -333,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm-threads", type=int, default=os.cpu_count() or 1, help="threads of vLLM and conveyor each"
     )
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument(
+        "--lora-adapters", type=int, default=16, help="vllm-lora: adapters the requests spread over"
+    )
+    parser.add_argument("--lora-rank", type=int, default=8, help="vllm-lora: their rank")
     parser.add_argument("--online-fractions", type=float, nargs="*", default=[0.5, 0.9])
     parser.add_argument("--goodput", nargs="+", default=["ttft:5000", "tpot:500"], metavar="KEY:MS")
     args = parser.parse_args(argv)
@@ -344,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if "vllm" in args.peers:
         status |= run_vllm(args, results, load_jsonl(results / "workload_main.jsonl"), num_params)
+    if "vllm-lora" in args.peers:
+        status |= run_vllm_lora(args, results, load_jsonl(results / "workload_main.jsonl"), num_params)
     if "llama-cpp" in args.peers:
         status |= run_llama_cpp(args, results, num_params, summary)
     return status

@@ -208,6 +208,13 @@ class EnvFromSource(_CamelModel):
         return self
 
 
+def _check_unique(names: list[str], what: str) -> None:
+    """Raise ValueError naming the repeated ones among `names` (`what`: e.g. "env names")."""
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"{what} must be unique: {', '.join(duplicates)} repeated")
+
+
 def _server_field(config: type[BaseModel], name: str, description: str, default: Any = ...) -> Any:
     """A field with the bounds (ge, gt, le, lt) and, unless given, the default of the server's config
     field `config.name`, so the CRD accepts no value `conveyor serve` refuses and defaults to what it
@@ -296,10 +303,7 @@ class LoRASpec(_CamelModel):
     @field_validator("adapters")
     @classmethod
     def _unique_names(cls, value: list[LoRAAdapterSpec]) -> list[LoRAAdapterSpec]:
-        names = [a.name for a in value]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"adapter names must be unique: {', '.join(duplicates)} repeated")
+        _check_unique([a.name for a in value], "adapter names")
         return value
 
 
@@ -804,10 +808,7 @@ class InferenceServiceSpec(_CamelModel):
     @field_validator("env")
     @classmethod
     def _unique_env(cls, value: list[EnvVar]) -> list[EnvVar]:
-        names = [e.name for e in value]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"env names must be unique: {', '.join(duplicates)} repeated")
+        _check_unique([e.name for e in value], "env names")
         return value
 
     @field_validator("node_selector")

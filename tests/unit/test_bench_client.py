@@ -93,6 +93,12 @@ def test_extra_body_is_merged_into_the_payload():
     assert payload["temperature"] == 0.5
 
 
+def test_a_sample_may_name_its_own_model():
+    settings = RequestSettings(model="base")
+    assert build_payload(SampleRequest([1], 1, 3), settings)["model"] == "base"
+    assert build_payload(SampleRequest([1], 1, 3, model="lora-3"), settings)["model"] == "lora-3"
+
+
 def test_without_usage_text_chunks_are_counted_and_a_closing_chunk_is_not_a_token():
     body = _sse(
         {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},

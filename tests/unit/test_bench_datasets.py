@@ -71,7 +71,10 @@ def test_prefix_shared_dataset_shares_exact_prefixes():
 
 
 def test_jsonl_round_trip(tmp_path):
-    samples = random_dataset(4, input_len=10, output_len=3, seed=0) + [SampleRequest("hello there", 2, 7)]
+    samples = random_dataset(4, input_len=10, output_len=3, seed=0) + [
+        SampleRequest("hello there", 2, 7),
+        SampleRequest([5, 6], 2, 1, model="sql-adapter"),
+    ]
     path = tmp_path / "w.jsonl"
     write_jsonl(samples, path)
     assert load_jsonl(path) == samples
