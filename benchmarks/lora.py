@@ -2,9 +2,12 @@
 same engine, at ranks 8 and 64.
 
     python -m conveyor.benchmarks.lora [--ranks 8 64] [--adapters 1 4 16] [--sequences 16] [--json FILE]
+        [--model llama-3.2-1b]
 
 The embedded model (SmolLM2-135M-Instruct, float32, or `--dtype`) with adapters made by `peft` on its
-seven projections (random A and B). Each configuration runs one engine with `--max-loras` as large as
+seven projections (random A and B); or `--model`, a catalog model (or a directory with a config.json)
+served with random weights (`--load-format dummy`) and adapters of its shape written directly in PEFT's
+format (random A and B), where the adapters' share of the bytes a step reads is that of a real model. Each configuration runs one engine with `--max-loras` as large as
 the number of adapters (so no request waits for a slot) and `--max-num-seqs` = sequences: the requests
 (twice `--sequences` of them, 32-token prompts, `--tokens` tokens each, greedy, EOS ignored) go to
 the adapters in turn, and the base-only row runs the same requests on the same engine without an
@@ -16,7 +19,9 @@ with 16 adapters at 16 sequences).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import json
 import logging
 import statistics
@@ -51,6 +56,39 @@ def make_adapters(directory: Path, ranks: list[int], count: int) -> dict[int, li
     return made
 
 
+def synthetic_adapters(directory: Path, model_dir: str, ranks: list[int], count: int) -> dict[int, list[str]]:
+    """`count` PEFT adapters of each rank on the seven projections of the model in `model_dir` (its
+    config.json), random A and B, written without peft (a model of billions of parameters need not be
+    built): rank -> directories."""
+    from safetensors.torch import save_file
+
+    from conveyor.server.model.loader import ModelSource, load_config
+    from conveyor.server.model.lora import projection_dims
+    from conveyor.server.model.models.llama import ModelShape
+
+    shape = ModelShape.from_hf_config(load_config(ModelSource(model_dir, None, "model")))
+    dims = projection_dims(shape)
+    made: dict[int, list[str]] = {}
+    for rank in ranks:
+        made[rank] = []
+        for i in range(count):
+            generator = torch.Generator().manual_seed(1000 * rank + i)
+            tensors = {}
+            for layer in range(shape.num_layers):
+                for module, (fan_in, fan_out) in dims.items():
+                    owner = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                    key = f"base_model.model.model.layers.{layer}.{owner}.{module}.lora_{{}}.weight"
+                    tensors[key.format("A")] = torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5
+                    tensors[key.format("B")] = torch.randn(fan_out, rank, generator=generator) * 0.01
+            path = directory / f"r{rank}-{i}"
+            path.mkdir(parents=True)
+            config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS}
+            (path / "adapter_config.json").write_text(json.dumps(config))
+            save_file(tensors, str(path / "adapter_model.safetensors"))
+            made[rank].append(str(path))
+    return made
+
+
 def run(engine, names: list[str | None], requests: int, tokens: int) -> tuple[float, float]:
     """(output tokens per second over the run, median decode step in seconds) of `requests` requests
     over `names` in turn (None: the base model)."""
@@ -72,8 +110,15 @@ def run(engine, names: list[str | None], requests: int, tokens: int) -> tuple[fl
 
 
 def measure(
-    adapters: dict[int, list[str]], counts: list[int], sequences: int, tokens: int, dtype: str
+    adapters: dict[int, list[str]],
+    counts: list[int],
+    sequences: int,
+    tokens: int,
+    dtype: str,
+    model_dir: str | None = None,
 ) -> dict:
+    """One row per rank and adapter count (`model_dir`: a model folder served with random weights,
+    None: the embedded model)."""
     from conveyor.server.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
     from conveyor.server.engine.builder import build_engine
 
@@ -82,7 +127,12 @@ def measure(
         for count in counts:
             modules = [f"a{i}={paths[i]}" for i in range(count)]
             config = EngineConfig(
-                model=ModelConfig(dtype=dtype, max_model_len=512),
+                model=ModelConfig(
+                    model=model_dir,
+                    load_format="dummy" if model_dir else "auto",
+                    dtype=dtype,
+                    max_model_len=512,
+                ),
                 cache=CacheConfig(kv_cache_memory=1 << 30),
                 scheduler=SchedulerConfig(max_num_seqs=sequences),
                 lora=LoRAConfig(enable_lora=True, lora_modules=modules, max_loras=count, max_lora_rank=rank),
@@ -115,7 +165,7 @@ def measure(
 
 def table(result: dict) -> str:
     lines = [
-        f"Multi-LoRA on SmolLM2-135M ({result['dtype']}, {result['sequences']} sequences, {result['tokens']} "
+        f"Multi-LoRA on {result.get('model') or 'SmolLM2-135M'} ({result['dtype']}, {result['sequences']} sequences, {result['tokens']} "
         f"tokens each, {result['threads']} threads)",
         "| rank | adapters | base-only tok/s | LoRA tok/s | LoRA / base | decode step base ms | LoRA ms |",
         "|---|---|---|---|---|---|---|",
@@ -140,11 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="tokens each request generates")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument(
+        "--model", help="a catalog model (e.g. llama-3.2-1b) or a folder with a config.json, random weights"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as scratch:
-        adapters = make_adapters(Path(scratch), args.ranks, max(args.adapters))
-        result = measure(adapters, args.adapters, args.sequences, args.tokens, args.dtype)
+        model_dir = None
+        if args.model:
+            model_dir = args.model if Path(args.model).is_dir() else str(Path(scratch) / "model")
+            if not Path(args.model).is_dir():
+                from conveyor.operator import plan
+
+                with contextlib.redirect_stdout(io.StringIO()):  # it prints the path written
+                    if plan.main(["--model", args.model, "--write-config", model_dir]) != 0:
+                        return 2
+            adapters = synthetic_adapters(
+                Path(scratch) / "adapters", model_dir, args.ranks, max(args.adapters)
+            )
+        else:
+            adapters = make_adapters(Path(scratch), args.ranks, max(args.adapters))
+        result = measure(adapters, args.adapters, args.sequences, args.tokens, args.dtype, model_dir)
+    result["model"] = args.model
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -8,7 +8,7 @@
 - **vLLM's CPU build with LoRA** (``--peers vllm-lora``): both servers with the same ``--lora-adapters``
   (16) PEFT adapters of rank ``--lora-rank`` (8) on the seven projections, ``--enable-lora --max-loras``
   the adapter count, the main workload's requests naming the adapters in turn, offline at conveyor's
-  auto dtype. Writes ``<results>/*_lora<N>_r<R>.json`` and ``<results>/vllm_lora.md``.
+  auto dtype and float32. Writes ``<results>/lora<N>_r<R>_*.json`` and ``<results>/vllm_lora.md``.
 - **llama-cpp-python** (its own venv, default ``~/.cache/conveyor/llama-cpp-venv``; its wheel compiles
   llama.cpp, about 6 minutes on 2 cores, once per machine) against conveyor ``--quantization gguf``, both
   on the Q4_1 weights as they are in the file, the same threads (``--threads``) and the same text
@@ -248,7 +248,7 @@ def run_vllm_lora(args: argparse.Namespace, results: Path, samples: list, num_pa
         scenario = f"offline {dtype}, {count} rank-{rank} adapters"
         run = _run_entry(system, scenario, spread, records, duration, args.goodput, peak, num_params,
                          None, dtype=dtype, threads=threads, lora_adapters=count, lora_rank=rank)  # fmt: skip
-        _save(results, f"{system.split()[0]}_{dtype}_lora{count}_r{rank}", run, records)
+        _save(results, f"lora{count}_r{rank}_{system.split()[0]}_{dtype}", run, records)  # not vllm.md's
         runs.append(run)
         failed += run["metrics"]["failed"]
         errors = [r.error for r in records if not r.success]

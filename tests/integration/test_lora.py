@@ -87,11 +87,11 @@ def _greedy(model, prompt_ids: list[int]) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
-def _lora_engine(adapters, names, **lora):
+def _lora_engine(adapters, names, model: dict | None = None, **lora):
     from conveyor.server.config import LoRAConfig
     from conveyor.server.engine.builder import build_engine
 
-    config = engine_config()
+    config = engine_config(model=model) if model else engine_config()
     modules = [f"{name}={adapters[name][0]}" for name in names]
     return build_engine(
         config.model_copy(update={"lora": LoRAConfig(enable_lora=True, lora_modules=modules, **lora)})
@@ -158,6 +158,26 @@ def test_the_python_layers_with_the_reference_kernels_match_peft_too(adapters, b
     assert engine.runner.layer_loop is None
     tokens, _ = _run(engine, [(None, tokenizer(PROMPTS[0]))] + [(n, tokenizer(PROMPTS[0])) for n in names])
     assert tokens == [base_tokens[0]] + [adapters[n][1][0] for n in names]
+
+
+def test_adapters_on_a_gguf_quantized_base_match_peft(adapters, base_tokens, tokenizer, monkeypatch):
+    """`--quantization gguf` serves the file's Q4_1 blocks as they are, whose values are exactly the
+    float32 model peft merges into: with the kernels that keep float32 activations (the quality
+    table's exact row), the LoRA deltas on the quantized projections give the same tokens."""
+    from conveyor.kernels.quant import QuantizedLinear
+
+    monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "q-dot,q-dequant@9")
+    names = list(ADAPTERS)[:3]
+    engine = _lora_engine(adapters, names, model={"quantization": "gguf"}, max_loras=3)
+    try:
+        base = engine.runner.lora.layers[0]["qkv_proj"].base
+        assert isinstance(base, QuantizedLinear) or all(isinstance(k, QuantizedLinear) for k in base.kernels)
+        jobs = [(name, tokenizer(p)) for name in names for p in PROMPTS] + [(None, tokenizer(PROMPTS[1]))]
+        tokens, _ = _run(engine, jobs)
+        expected = [adapters[name][1][i] for name in names for i in range(len(PROMPTS))] + [base_tokens[1]]
+        assert tokens == expected
+    finally:
+        engine.close()
 
 
 def test_prefix_cache_hits_only_under_the_same_adapter(adapters, tokenizer):
