@@ -180,7 +180,7 @@ def metrics_page() -> str:
         num_speculative_tokens=2,
     )
     engine_metrics = EngineMetrics("MODEL", limits, per_expert=True)
-    engine_metrics.watch_lora_adapters(dict, dict)  # the app adds it with --enable-lora
+    engine_metrics.watch_lora_adapters(list)  # the app adds it with --enable-lora
     sections = [
         (
             "Server (`conveyor serve`, `/metrics`)",

@@ -39,7 +39,7 @@ from conveyor.server.capacity import (
     plan_capacity,
 )
 from conveyor.server.cli import add_model_flags
-from conveyor.server.config import CacheConfig, ModelConfig, ParallelConfig
+from conveyor.server.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 
 # Catalog models are stored in bfloat16, so `auto` plans with 2-byte weights and KV.
 AUTO_DTYPE = "bfloat16"
@@ -368,6 +368,8 @@ _FLAGS_OF_FIELDS = {
     "model.params": "--params",
     "model.dtype": "--dtype",
     "model.name": "--model",
+    "model.lora.maxAdapters": "--max-loras",
+    "model.lora.maxRank": "--max-lora-rank",
     "tensorParallelSize": "--tensor-parallel-size",
     "gpusPerReplica": "--gpus",
     "maxModelLen": "--max-model-len",
@@ -383,6 +385,18 @@ def _as_flags(message: str) -> str:
 def _without_none(groups: dict[str, dict]) -> dict[str, dict]:
     """Spec groups without the flags not given (the spec's defaults apply)."""
     return {group: {k: v for k, v in fields.items() if v is not None} for group, fields in groups.items()}
+
+
+def _lora_flags(args: argparse.Namespace) -> dict | None:
+    """`model.lora` from `--enable-lora --max-loras --max-lora-rank` (the flags not given: the server's
+    defaults), None without `--enable-lora`."""
+    if not args.enable_lora:
+        return None
+    defaults = LoRAConfig()
+    return {
+        "maxAdapters": args.max_loras or defaults.max_loras,
+        "maxRank": args.max_lora_rank or defaults.max_lora_rank,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,6 +420,14 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     add_model_flags(parser, CacheConfig, only={"gpu_memory_utilization", "block_size"})
+    add_model_flags(
+        parser,
+        LoRAConfig,
+        only={"enable_lora", "max_loras", "max_lora_rank"},
+        help_overrides={
+            "enable_lora": "count LoRA adapter slots (--max-loras of --max-lora-rank) in the plan"
+        },
+    )
     add_model_flags(
         parser,
         ParallelConfig,
@@ -439,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                         "kvHeads": args.kv_heads,
                         "headDim": args.head_dim,
                         "params": args.params,
+                        "lora": _lora_flags(args),
                     },
                     "resources": {
                         "gpuType": args.gpu,

@@ -260,6 +260,10 @@ class ModelCacheSpec(_CamelModel):
         return self
 
 
+# An adapter's source: a Hub id, a claim and path in it, or a path in the server container.
+_ADAPTER_URI = r"^(hf://[^/\s]+/[^/\s]+|pvc://[^/\s]+(/\S*)?|/\S+)$"
+
+
 class LoRAAdapterSpec(_CamelModel):
     """One LoRA adapter (a PEFT directory) of the base model, served as its own OpenAI `model`."""
 
@@ -269,12 +273,19 @@ class LoRAAdapterSpec(_CamelModel):
         description="The OpenAI `model` id requests name it by.",
     )
     uri: str = Field(
-        pattern=r"^(hf://[^/\s]+/[^/\s]+|pvc://[^/\s]+(/\S*)?|/\S+)$",
+        pattern=_ADAPTER_URI,
         max_length=1024,
         description="Where the adapter comes from: hf://org/name (a Hub id, downloaded into the model cache "
         "as the base model is), pvc://claim/path (a claim in the namespace, mounted read-only), or an "
         "absolute path in the server container (e.g. under the model cache, /models/hf-cache/...).",
     )
+
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _uri_form(cls, value: Any) -> Any:
+        if isinstance(value, str) and not re.match(_ADAPTER_URI, value):
+            raise ValueError(f"{value!r} is not hf://org/name, pvc://claim/path or an absolute path")
+        return value
 
 
 class LoRASpec(_CamelModel):

@@ -15,10 +15,11 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
-def lora_hash_root(name: str, path: str) -> bytes:
-    """The parent hash of the first block of a request under LoRA adapter `name` loaded from `path`, so a
-    prefix computed under one adapter (its K/V depends on the adapter's weights) is never reused under
-    another, or under the base model (whose first blocks have no parent)."""
+def lora_hash_root(digest: str) -> bytes:
+    """The parent hash of the first block of a request under the LoRA adapter whose files have `digest`
+    (`model.lora.adapter_digest`), so a prefix computed under one adapter (its K/V depends on the
+    adapter's weights and scaling) is never reused under another, under the base model (whose first
+    blocks have no parent), or under the same name after its files changed."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(b"lora\0" + name.encode() + b"\0" + path.encode())
+    h.update(b"lora\0" + digest.encode())
     return h.digest()

@@ -170,7 +170,7 @@ def create_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig
         return next(c for c in cards() if c["id"] == model)
 
     if engine.lora_enabled:
-        metrics.watch_lora_adapters(engine.lora_adapters, engine.lora_failures)
+        metrics.watch_lora_adapters(engine.lora_states)
     if config.allow_runtime_lora_updating and not engine.lora_enabled:
         logger.warning("--allow-runtime-lora-updating has no effect without --enable-lora")
 

@@ -17,7 +17,8 @@ from prometheus_client.registry import Collector
 
 from conveyor.server.messages import EngineLimits, SchedulerStats
 
-if TYPE_CHECKING:  # the engine's request type, for annotations only: this module imports no engine code
+if TYPE_CHECKING:  # the engine's types, for annotations only: this module imports no engine code
+    from conveyor.server.engine.lora import AdapterState
     from conveyor.server.engine.request import Request
 
 LATENCY_BUCKETS = (
@@ -242,22 +243,27 @@ class EngineMetrics:
             gauge.clear()
             gauge.labels(*labels).set_to_current_time()
 
-    def watch_lora_adapters(
-        self, served: Callable[[], dict[str, str]], failed: Callable[[], dict[str, str]]
-    ) -> None:
-        """Export `conveyor:lora_adapter_info{model_name, lora_name, path, state, error}` = 1, read at
-        each scrape: one series per adapter served (`served()`: name -> path; state `loaded`, error
-        empty) and per adapter `--lora-modules-file` declares that is not served (`failed()`: name ->
-        why; state `failed`, path empty, error the reason, at most ERROR_LABEL_CHARS characters). The
-        operator's per-adapter status reads it, and the router its replicas' adapters (the path seeds
-        the adapter's prefix-cache hashes, `block_hash.lora_hash_root`); its label set is bounded by the
-        adapters named to this server."""
+    def watch_lora_adapters(self, states: Callable[[], list[AdapterState]]) -> None:
+        """Export `conveyor:lora_adapter_info{model_name, lora_name, path, digest, state, error}` = 1,
+        read at each scrape from `states()` (`LoRARegistry.states`): one series per adapter served
+        (state `loaded`, `digest` of its files, which seeds its prefix-cache hashes,
+        `block_hash.lora_hash_root`) and per adapter `--lora-modules-file` declares that is not served
+        (state `failed`, `error` the reason, at most ERROR_LABEL_CHARS characters on one line). The
+        operator's per-adapter status reads it, and the router its replicas' adapters; its label set is
+        bounded by the adapters named to this server."""
         model_name = self.model_name
         if self._lora_adapters is not None:  # an app made again on the same metrics
             self.registry.unregister(self._lora_adapters)
 
         class _Adapters(Collector):
-            _labelnames = ("model_name", "lora_name", "path", "state", "error")  # as prometheus_client's own
+            _labelnames = (
+                "model_name",
+                "lora_name",
+                "path",
+                "digest",
+                "state",
+                "error",
+            )  # as prometheus_client's
 
             def describe(self):
                 return [self._family()]
@@ -271,10 +277,10 @@ class EngineMetrics:
 
             def collect(self):
                 family = self._family()
-                for name, path in served().items():
-                    family.add_metric([model_name, name, path, "loaded", ""], 1.0)
-                for name, why in failed().items():
-                    family.add_metric([model_name, name, "", "failed", why[:ERROR_LABEL_CHARS]], 1.0)
+                for a in states():
+                    state = "failed" if a.error else "loaded"
+                    error = " ".join(a.error.split())[:ERROR_LABEL_CHARS]
+                    family.add_metric([model_name, a.name, a.path, a.digest, state, error], 1.0)
                 yield family
 
         self._lora_adapters = _Adapters()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from conveyor.server.engine import kv_events
 from conveyor.server.engine.engine import LLMEngine
 from conveyor.server.engine.kv_events import KVEventHub, KVEventSubscriber
+from conveyor.server.engine.lora import AdapterState
 from conveyor.server.engine.tuning import freeze_startup_heap, release_openmp_threads
 from conveyor.server.messages import (
     EngineRequest,
@@ -166,10 +167,10 @@ class AsyncEngine:
             return {}
         return {name: path for name in registry.names if (path := registry.path(name)) is not None}
 
-    def lora_failures(self) -> dict[str, str]:
-        """Adapters `--lora-modules-file` declares that are not served -> why ({} without LoRA)."""
+    def lora_states(self) -> list[AdapterState]:
+        """Every adapter named to the server, served or failed ([] without LoRA)."""
         registry = self.engine.lora
-        return registry.failures() if registry is not None else {}
+        return registry.states() if registry is not None else []
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Read and serve an adapter (blocking: call it from a worker thread). Raises LoRAError."""

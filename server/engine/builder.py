@@ -133,7 +133,8 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             model = TransformersForCausalLM.load(source.path, hf_config, dtype, device, ops, dummy)
             weights, weight_bytes = loader.weights_info(model)
         runner = ModelRunner(model, ops, cc.block_size, dtype, device, workers)
-        lora = _lora_registry(config, runner, shape)
+        served_model_name = mc.served_model_name or source.default_name
+        lora = _lora_registry(config, runner, shape, served_model_name)
         draft_runner = _draft_runner(
             config, draft, shape, tokenizer, max_model_len, dtype, device, backend, ops
         )
@@ -196,7 +197,6 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             max_loras=config.lora.max_loras if lora is not None else 0,
             num_speculative_tokens=drafter.num_speculative_tokens if drafter is not None else 0,
         )
-        served_model_name = mc.served_model_name or source.default_name
         release_freed_memory()
         return LLMEngine(
             config,
@@ -216,9 +216,10 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
         raise
 
 
-def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegistry | None:
+def _lora_registry(config: EngineConfig, runner: ModelRunner, shape, base_name: str) -> LoRARegistry | None:
     """With --enable-lora: the runner's adapter slots, and the registry with the `--lora-modules`
-    adapters read and `--lora-modules-file`'s loaded and watched (None without it). Raises ValueError (LoRAError) naming the adapter that cannot be
+    adapters read and `--lora-modules-file`'s loaded and watched (None without it); no adapter may
+    take `base_name`, the served model's name. Raises ValueError (LoRAError) naming the adapter that cannot be
     served, or the flag where LoRA does not run."""
     lc = config.lora
     if not lc.enable_lora:
@@ -231,7 +232,7 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape) -> LoRARegi
         slots.num_bytes / (1 << 20),
         lc.cpu_loras,
     )
-    registry = LoRARegistry(lc, shape)
+    registry = LoRARegistry(lc, shape, base_name)
     for module in lc.modules:
         registry.add(module.name, module.path)
     if lc.lora_modules_file:

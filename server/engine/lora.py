@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from conveyor.server.config import LoRAConfig, parse_lora_module
 from conveyor.server.model.lora import LoRAAdapter, LoRAError, load_adapter
@@ -35,19 +36,34 @@ class UnknownAdapterError(LoRAError):
     """No adapter of that name is served."""
 
 
+@dataclass(frozen=True)
+class AdapterState:
+    """One adapter named to the server, as `conveyor:lora_adapter_info` exports it: served (`digest` of
+    its files, `model.lora.adapter_digest`), or declared by `--lora-modules-file` and not served
+    (`error`, why)."""
+
+    name: str
+    path: str
+    digest: str = ""
+    error: str = ""
+
+
 class LoRARegistry:
     """Served adapter names and their directories, and the adapters loaded in CPU memory (least
-    recently used dropped past `config.cpu_loras`)."""
+    recently used dropped past `config.cpu_loras`). `base_name`: the served model's name, which no
+    adapter may take."""
 
-    def __init__(self, config: LoRAConfig, shape: ModelShape) -> None:
+    def __init__(self, config: LoRAConfig, shape: ModelShape, base_name: str | None = None) -> None:
         self.config = config
         self.shape = shape
+        self.base_name = base_name
         self._paths: dict[str, str] = {}
+        self._digests: dict[str, str] = {}
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
         # `--lora-modules-file`: the adapters it declared that are served, and why the others are not.
         self._declared: dict[str, str] = {}
-        self._failed: dict[str, str] = {}
+        self._failed: dict[str, tuple[str, str]] = {}  # name -> (path, why)
         self._retry_at = 0.0
         self._watch: threading.Thread | None = None
         self._file_problem: str | None = None
@@ -65,7 +81,9 @@ class LoRARegistry:
 
     def add(self, name: str, path: str) -> LoRAAdapter:
         """Serve the adapter in directory `path` as `name`. Raises LoRAError (the name is taken, or the
-        adapter cannot be served: see `load_adapter`)."""
+        adapter cannot be served: see `load_adapter`; or `name` is the base model's)."""
+        if name == self.base_name:
+            raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's")
         with self._lock:
             if name in self._paths:
                 raise LoRAError(f"LoRA adapter {name!r} is already loaded")
@@ -75,7 +93,7 @@ class LoRARegistry:
                 raise LoRAError(f"LoRA adapter {name!r} is already loaded")
             self._paths[name] = path
             self._keep(adapter)
-        logger.info("LoRA adapter %r (rank %d) from %s", name, adapter.rank, path)
+        logger.info("LoRA adapter %r (rank %d) loaded from %s", name, adapter.rank, path)
         return adapter
 
     def remove(self, name: str) -> None:
@@ -84,6 +102,7 @@ class LoRARegistry:
             if self._paths.pop(name, None) is None:
                 raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded")
             self._loaded.pop(name, None)
+            self._digests.pop(name, None)
         logger.info("LoRA adapter %r unloaded", name)
 
     def get(self, name: str) -> LoRAAdapter:
@@ -106,7 +125,13 @@ class LoRARegistry:
     def failures(self) -> dict[str, str]:
         """Adapters `--lora-modules-file` declares that are not served -> why (the LoRAError's text)."""
         with self._lock:
-            return dict(self._failed)
+            return {name: why for name, (_, why) in self._failed.items()}
+
+    def states(self) -> list[AdapterState]:
+        """Every adapter named to the server: those served, then those declared and not served."""
+        with self._lock:
+            served = [AdapterState(n, p, self._digests.get(n, "")) for n, p in self._paths.items()]
+            return served + [AdapterState(n, p, error=why) for n, (p, why) in self._failed.items()]
 
     def declare(self, declared: dict[str, str]) -> None:
         """Make the adapters `--lora-modules-file` declares (name -> path) the ones it serves: a name it
@@ -132,9 +157,9 @@ class LoRARegistry:
                 self.add(name, path)
             except LoRAError as exc:
                 with self._lock:
-                    if self._failed.get(name) != str(exc):
+                    if self._failed.get(name) != (path, str(exc)):
                         logger.error("--lora-modules-file: %s", exc)
-                    self._failed[name] = str(exc)
+                    self._failed[name] = (path, str(exc))
                 continue
             self._declared[name] = path
             with self._lock:
@@ -198,6 +223,7 @@ class LoRARegistry:
         return {m.name: m.path for m in modules}
 
     def _keep(self, adapter: LoRAAdapter) -> None:
+        self._digests[adapter.name] = adapter.digest
         self._loaded[adapter.name] = adapter
         self._loaded.move_to_end(adapter.name)
         while len(self._loaded) > self.config.cpu_loras:

@@ -19,6 +19,7 @@ recently used first, never for an adapter the step runs (the scheduler keeps a s
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -57,20 +58,21 @@ class LoRAAdapter:
     """One adapter read from its PEFT directory, in float32 on the CPU.
 
     weights: (layer index, transformers projection name) -> (A `[r, in]`, B `[out, r]` times the
-    scaling); rank: r; uid: unique per load (a slot holding an older load of the same name is not
-    reused); hash_root: the parent hash of a request's first KV block under this adapter
-    (`block_hash.lora_hash_root`).
+    scaling); rank: r; digest: of its files (`adapter_digest`); uid: unique per load (a slot holding
+    an older load of the same name is not reused); hash_root: the parent hash of a request's first KV
+    block under this adapter (`block_hash.lora_hash_root` of the digest).
     """
 
     name: str
     path: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: str = ""
     uid: int = field(default_factory=lambda: next(_uids))
 
     @property
     def hash_root(self) -> bytes:
-        return lora_hash_root(self.name, self.path)
+        return lora_hash_root(self.digest)
 
     @property
     def num_bytes(self) -> int:
@@ -144,6 +146,20 @@ def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
     )
 
 
+def adapter_digest(directory: Path) -> str:
+    """A 128-bit BLAKE2b digest (hex) of an adapter's `adapter_config.json` and weights file, the
+    identity of what its deltas compute: equal files give equal digests on every replica, and files
+    replaced in place give another."""
+    h = hashlib.blake2b(digest_size=16)
+    for file in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
+        if (directory / file).is_file():
+            h.update(file.encode() + b"\0")
+            with open(directory / file, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
 def adapter_directory(name: str, path: str) -> Path:
     """The local directory of the adapter at `path`: a directory, or a Hugging Face Hub id (`org/name`,
     as vLLM's `--lora-modules` takes) downloaded with `huggingface_hub.snapshot_download` into its cache
@@ -209,7 +225,7 @@ def load_adapter(name: str, path: str, shape: ModelShape, max_lora_rank: int) ->
         weights[(layer, module)] = (pair["A"].contiguous(), (pair["B"] * scaling).contiguous())
     if not weights:
         raise LoRAError(f"LoRA adapter {name!r}: no LoRA tensors in {path!r}")
-    return LoRAAdapter(name, path, rank, weights)
+    return LoRAAdapter(name, path, rank, weights, adapter_digest(directory))
 
 
 class LoRAContext:

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -129,8 +129,8 @@ class Router:
 
         def hashes(endpoint: Endpoint) -> list[bytes]:
             size = endpoint.block_size or self.config.block_size
-            path = endpoint.adapters.served.get(adapter) if adapter and endpoint.adapters else None
-            root = lora_hash_root(adapter, path) if adapter and path is not None else None
+            digest = endpoint.adapters.served.get(adapter) if adapter and endpoint.adapters else None
+            root = lora_hash_root(digest) if digest else None
             if (size, root) not in hashes_by:
                 hashes_by[size, root] = block_hashes(token_ids, size, root) if token_ids else []
             return hashes_by[size, root]
@@ -197,6 +197,35 @@ class Router:
             hit_tokens = matched.get(endpoint.url, 0) * (endpoint.block_size or self.config.block_size)
             endpoint.index.routed_to(hashes(endpoint))
         return endpoint, hit_tokens
+
+    async def models(self, raw: Request) -> Response:
+        """`/v1/models` of every ready replica, merged by id (the first answer's card of an id): a model
+        or LoRA adapter that any ready replica serves is listed, whichever replica a forward would have
+        picked. A replica's error (401 without the API key) is passed on when none answers 200; with no
+        replica ready the request waits for one, as others do (`forward`)."""
+        ready = [e for e in self.pool.endpoints.values() if e.ready]
+        if not ready:
+            return await self.forward(raw, "/v1/models")
+        headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+
+        async def ask(endpoint: Endpoint) -> httpx.Response | None:
+            try:
+                return await self.client.get(f"{endpoint.url}/v1/models", headers=headers, timeout=5.0)
+            except httpx.HTTPError as exc:
+                logger.info("/v1/models of %s: %s", endpoint.url, exc)
+                return None
+
+        answers = [a for a in await asyncio.gather(*(ask(e) for e in ready)) if a is not None]
+        lists = [a for a in answers if a.status_code == 200]
+        if not lists:
+            if answers:
+                return Response(answers[0].content, answers[0].status_code, media_type="application/json")
+            return await self.forward(raw, "/v1/models")
+        cards: dict[str, dict] = {}
+        for answer in lists:
+            for card in answer.json().get("data", []):
+                cards.setdefault(card["id"], card)
+        return JSONResponse({"object": "list", "data": list(cards.values())})
 
     def release(self, endpoint: Endpoint) -> None:
         endpoint.in_flight -= 1
@@ -371,7 +400,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
-        return await raw.app.state.router.forward(raw, "/v1/models")
+        return await raw.app.state.router.models(raw)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

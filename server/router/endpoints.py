@@ -38,9 +38,9 @@ MAX_BACKOFF = 30.0
 
 @dataclass(frozen=True)
 class ReplicaAdapters:
-    """A replica's LoRA adapters as its last poll read them: `served` (name -> the path it loaded, which
-    seeds the adapter's prefix hashes), `active` (adapters of its running or waiting requests: resident
-    in, or about to take, one of its `max_loras` slots)."""
+    """A replica's LoRA adapters as its last poll read them: `served` (name -> the digest of its files,
+    which seeds the adapter's prefix hashes), `active` (adapters of its running or waiting requests:
+    resident in, or about to take, one of its `max_loras` slots)."""
 
     served: dict[str, str]
     active: frozenset[str]
@@ -111,7 +111,7 @@ def read_metrics(text: str) -> tuple[dict[str, float], ReplicaAdapters | None]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "conveyor:lora_adapter_info" and sample.labels.get("state") == "loaded":
-                served[sample.labels.get("lora_name", "")] = sample.labels.get("path", "")
+                served[sample.labels.get("lora_name", "")] = sample.labels.get("digest", "")
                 continue
             if sample.name == "conveyor:lora_requests_info":
                 lora_info = sample.labels

@@ -21,7 +21,7 @@ from conveyor.server.block_hash import hash_block
 
 def block_hashes(token_ids: list[int], block_size: int, root: bytes | None = None) -> list[bytes]:
     """The hash chain of the full blocks of `token_ids` (a trailing partial block has no hash); `root`:
-    the first block's parent, `lora_hash_root(name, path)` under a LoRA adapter, as the engine's."""
+    the first block's parent, `lora_hash_root(digest)` under a LoRA adapter, as the engine's."""
     hashes: list[bytes] = []
     parent: bytes | None = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):

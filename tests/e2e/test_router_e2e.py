@@ -403,7 +403,8 @@ def _adapter(path: Path) -> str:
 
 def test_adapter_requests_go_to_the_replicas_serving_the_adapter(tmp_path) -> None:
     """Two replicas with LoRA on; an adapter loaded at runtime on one of them is seen by the router at
-    its next poll and every request naming it goes there, then follows it when it moves to the other."""
+    its next poll and every request naming it goes there, then follows it when it moves to the other;
+    the router's /v1/models lists it whichever replica would have answered."""
     lora = ["--enable-lora", "--max-loras", "2", "--allow-runtime-lora-updating"]
     servers = [spawn_serve(tmp_path / f"lora-serve-{i}.log", *lora) for i in range(2)]
     router_process = None
@@ -434,6 +435,8 @@ def test_adapter_requests_go_to_the_replicas_serving_the_adapter(tmp_path) -> No
             assert loaded.status_code == 200, loaded.text
             time.sleep(1.0)  # the router's next polls (every 0.25 s) see it
             before = (sent(holder.base_url), sent(other.base_url))
+            # The router's model list merges the replicas': the adapter is listed whichever answers.
+            assert all("sql" in {m.id for m in api.models.list().data} for _ in range(4))
             answers = {ask() for _ in range(6)}
             assert len(answers) == 1
             assert (sent(holder.base_url) - before[0], sent(other.base_url) - before[1]) == (6, 0)
@@ -443,6 +446,7 @@ def test_adapter_requests_go_to_the_replicas_serving_the_adapter(tmp_path) -> No
             time.sleep(1.0)
         with pytest.raises(openai.NotFoundError):  # served nowhere now: a replica's own 404
             ask()
+        assert "sql" not in {m.id for m in api.models.list().data}
     finally:
         if router_process is not None:
             stop_process(router_process.proc)

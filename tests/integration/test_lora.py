@@ -253,6 +253,40 @@ def test_prefix_cache_hits_only_under_the_same_adapter(adapters, tokenizer):
     assert hits["all-r8"] == 0 and hits[None] == 0
 
 
+def test_an_adapter_reloaded_with_other_files_reuses_no_prefix_of_its_old_ones(adapters, tokenizer, tmp_path):
+    """The prefix cache keys an adapter by its files' digest, not its name or path: unloading it,
+    replacing its files in place and loading it again under the same name and path computes every
+    block again, and the answer is the new weights' (a name or path key would reuse the old K/V)."""
+    import shutil
+
+    path = tmp_path / "reloaded"
+    shutil.copytree(adapters["qv-r4"][0], path)
+    engine = _lora_engine(adapters, [], max_loras=1)
+    try:
+        prompt = tokenizer(PROMPTS[1])
+        engine.lora.add("x", str(path))
+        assert _run(engine, [("x", prompt)])[0] == [adapters["qv-r4"][1][1]]
+        engine.lora.remove("x")
+        shutil.rmtree(path)
+        shutil.copytree(adapters["all-r8"][0], path)
+        engine.lora.add("x", str(path))
+        assert _run(engine, [("x", prompt)])[0] == [adapters["all-r8"][1][1]]
+    finally:
+        engine.close()
+
+
+def test_no_adapter_may_take_the_base_models_name(adapters):
+    from conveyor.server.model.lora import LoRAError
+
+    engine = _lora_engine(adapters, [], max_loras=1)
+    try:
+        with pytest.raises(LoRAError, match="the name is the base model's"):
+            engine.lora.add(engine.served_model_name, adapters["qv-r4"][0])
+        assert engine.lora.names == []
+    finally:
+        engine.close()
+
+
 def test_five_adapters_through_two_slots_keep_outputs_right(adapters, tokenizer):
     """--max-loras 2 and --max-cpu-loras 2 with five adapters: requests of a third adapter wait for a
     slot, slots are rewritten, adapters dropped from CPU memory are read again; no step runs more than
@@ -475,15 +509,18 @@ def test_a_lora_modules_file_is_kept_in_step_while_serving(adapters, tokenizer, 
             set(engine.lora.failures()) == {"ghost"}
             and "is not a directory" in engine.lora.failures()["ghost"]
         )
-        engine.observer.watch_lora_adapters(
-            lambda: {n: engine.lora.path(n) for n in engine.lora.names}, engine.lora.failures
-        )
+        engine.observer.watch_lora_adapters(engine.lora.states)
         scrape = generate_latest(engine.observer.registry).decode()
+        digest = engine.lora.get(first).digest
+        assert len(digest) == 32
         assert (
-            f'conveyor:lora_adapter_info{{error="",lora_name="{first}",model_name="SmolLM2-135M-Instruct",'
-            f'path="{adapters[first][0]}",state="loaded"}} 1.0'
+            f'conveyor:lora_adapter_info{{digest="{digest}",error="",lora_name="{first}",'
+            f'model_name="SmolLM2-135M-Instruct",path="{adapters[first][0]}",state="loaded"}} 1.0'
         ) in scrape
-        assert 'lora_name="ghost",model_name="SmolLM2-135M-Instruct",path="",state="failed"} 1.0' in scrape
+        assert (
+            'lora_name="ghost",model_name="SmolLM2-135M-Instruct",path="/no/such/adapter",state="failed"} 1.0'
+            in scrape
+        )
         # The operator's plan counts exactly the slots the server allocates.
         shape = engine.runner.model.shape
         assert engine.runner.lora.num_bytes == lora_slot_bytes(

@@ -176,6 +176,17 @@ def test_plan_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> No
     assert "131,072 per GPU" in out
 
 
+def test_plan_command_counts_lora_slots_with_the_servers_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "llama-3-8b", "--gpu", "a100-80gb", "--max-model-len", "4096"]
+    assert plan_cli.main([*argv, "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "lora adapters       0.31 GiB of adapter slots" in out and "max_num_seqs        111" in out
+    assert plan_cli.main([*argv, "--max-loras", "4"]) == 0  # without --enable-lora nothing is counted
+    assert "lora adapters" not in capsys.readouterr().out
+    assert plan_cli.main([*argv, "--enable-lora", "--max-lora-rank", "2048"]) == 1
+    assert capsys.readouterr().err.startswith("conveyor plan: error: --max-lora-rank: Input should be less")
+
+
 def test_plan_command_fails_with_the_shortfall(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", "llama-3-70b", "--gpu", "a100-80gb", "--max-model-len", "4096"]
     assert plan_cli.main(argv) == 1

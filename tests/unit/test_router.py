@@ -222,13 +222,13 @@ def test_read_metrics_of_a_replica_with_lora_adapters() -> None:
             "# TYPE conveyor:lora_requests_info gauge",
             'conveyor:lora_requests_info{max_lora="2",running_lora_adapters="sql,de",waiting_lora_adapters="fr"} 1.7e9',
             "# TYPE conveyor:lora_adapter_info gauge",
-            'conveyor:lora_adapter_info{error="",lora_name="sql",model_name="m",path="/a/sql",state="loaded"} 1.0',
-            'conveyor:lora_adapter_info{error="",lora_name="de",model_name="m",path="org/de",state="loaded"} 1.0',
-            'conveyor:lora_adapter_info{error="rank",lora_name="bad",model_name="m",path="",state="failed"} 1.0',
+            'conveyor:lora_adapter_info{digest="d1",error="",lora_name="sql",model_name="m",path="/a/sql",state="loaded"} 1.0',
+            'conveyor:lora_adapter_info{digest="d2",error="",lora_name="de",model_name="m",path="org/de",state="loaded"} 1.0',
+            'conveyor:lora_adapter_info{digest="",error="rank",lora_name="bad",model_name="m",path="/b",state="failed"} 1.0',
         ]
     )
     _, adapters = read_metrics(text)
-    assert adapters == ReplicaAdapters({"sql": "/a/sql", "de": "org/de"}, frozenset({"sql", "de", "fr"}), 2)
+    assert adapters == ReplicaAdapters({"sql": "d1", "de": "d2"}, frozenset({"sql", "de", "fr"}), 2)
     assert (adapters.affinity("sql"), adapters.affinity("it")) == (1.0, 0.0)
     assert ReplicaAdapters({}, frozenset({"sql"}), 2).affinity("de") == 0.5  # a free slot
 
@@ -258,7 +258,7 @@ def test_prefix_hashes_under_an_adapter_start_from_its_root() -> None:
     from conveyor.server.block_hash import lora_hash_root
 
     tokens = list(range(32))
-    root = lora_hash_root("sql", "/adapters/sql")
+    root = lora_hash_root("0123abcd")
     under, base = block_hashes(tokens, 16, root), block_hashes(tokens, 16)
     assert len(under) == len(base) == 2 and not set(under) & set(base)
 
