@@ -53,11 +53,15 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names (None: the base model, also when `model` is absent). Raises a
-        404 APIError (OpenAI's `model_not_found`) for a name the server does not serve."""
+        404 APIError (OpenAI's `model_not_found`) for a name the server does not serve (with the reason
+        when `--lora-modules-file` declares it and it failed to load)."""
         if model is None or model == self.model_name:
             return None
         if model in self.engine.lora_adapters():
             return model
+        failed = next((a.error for a in self.engine.lora_states() if a.name == model and a.error), None)
+        if failed is not None:  # declared by --lora-modules-file, not loaded: say why
+            raise APIError(404, f"The model `{model}` is not served: {failed}", "model", "model_not_found")
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     async def prompt_ids(self, build: Callable, *args):

@@ -478,9 +478,11 @@ def test_a_lora_modules_file_is_kept_in_step_while_serving(adapters, tokenizer, 
     from huggingface_hub import constants
     from prometheus_client import generate_latest
 
+    from conveyor.server.api.errors import APIError
     from conveyor.server.api.metrics import EngineMetrics
     from conveyor.server.capacity import lora_slot_bytes
-    from conveyor.server.config import LoRAConfig
+    from conveyor.server.config import LoRAConfig, ServerConfig
+    from conveyor.server.engine.async_engine import AsyncEngine
     from conveyor.server.engine.builder import build_engine
 
     first, second, third = list(ADAPTERS)[:3]
@@ -539,6 +541,28 @@ def test_a_lora_modules_file_is_kept_in_step_while_serving(adapters, tokenizer, 
         assert _run(engine, [(second, tokenizer(PROMPTS[0]))])[0] == [adapters[second][1][0]]
         with pytest.raises(Exception, match="not loaded"):
             engine.lora.get(first)
+
+        # A request naming a declared adapter that failed is told why (the 404 of an unknown name else).
+        from conveyor.server.api.serving import OpenAIServing
+
+        declare(
+            [
+                {"name": second, "path": adapters[second][0]},
+                {"name": third, "path": "org/third"},
+                "gone=/gone",
+            ]
+        )
+        deadline = time.monotonic() + 30
+        while "gone" not in engine.lora.failures():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        serving = OpenAIServing(AsyncEngine(engine), ServerConfig())
+        with pytest.raises(
+            APIError, match="`gone` is not served: LoRA adapter 'gone': '/gone' is not a directory"
+        ):
+            serving.check_model("gone")
+        with pytest.raises(APIError, match="`other` does not exist"):
+            serving.check_model("other")
 
         # A file that does not parse changes nothing.
         modules.write_text("{not json")
