@@ -286,8 +286,13 @@ def test_requests_held_by_the_router_wake_a_service_scaled_to_zero(auto: AutoEnv
         assert status["url"] == f"http://wake-router.{auto.namespace}.svc.cluster.local"
         auto.metrics.router_waiting["wake"] = 3
         auto.eventually(lambda: auto.replicas("wake") == 1, "a scale-from-zero to 1 replica", timeout=60)
-        events = [e for e in auto.events("wake") if e["reason"] == "RouterRequestsWaiting"]
-        assert events and "3 waiting in the router" in events[0]["message"], events
+        # kopf posts Events from a queue of its own, after the scale write the line above saw.
+        events = auto.eventually(
+            lambda: [e for e in auto.events("wake") if e["reason"] == "RouterRequestsWaiting"],
+            "the RouterRequestsWaiting Event",
+            timeout=30,
+        )
+        assert "3 waiting in the router" in events[0]["message"], events
     finally:
         auto.metrics.router_waiting.pop("wake", None)
         auto.delete("wake")
