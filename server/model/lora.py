@@ -113,6 +113,12 @@ def _read_config(name: str, path: Path) -> dict:
         config = LoraConfig.from_pretrained(str(path))
     except (TypeError, ValueError) as exc:
         raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not a LoRA config: {exc}") from None
+    if getattr(config, "target_parameters", None):
+        raise LoRAError(
+            f"LoRA adapter {name!r}: target_parameters {list(config.target_parameters)} in "
+            "adapter_config.json adapts parameters (a mixture-of-experts model's fused experts), not the "
+            "attention or dense MLP projections this engine adapts"
+        )
     unsupported = {
         "use_dora": bool(config.use_dora),
         "modules_to_save": bool(config.modules_to_save),
@@ -185,7 +191,7 @@ def load_adapter(name: str, path: str, shape: ModelShape, max_lora_rank: int) ->
 
     Raises LoRAError naming the adapter and the problem: a missing directory or file, a config that is
     not LoRA or uses a feature this engine does not run (DoRA, biases, modules_to_save, per-module
-    rank or alpha patterns), a rank above `max_lora_rank` (`--max-lora-rank`), a tensor of a projection
+    rank or alpha patterns, `target_parameters`: experts), a rank above `max_lora_rank` (`--max-lora-rank`), a tensor of a projection
     the decoder does not adapt (embeddings, the LM head, experts) or of another base model (a layer
     past the model's, or a shape that does not match its projection)."""
     directory = adapter_directory(name, path)

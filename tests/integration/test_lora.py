@@ -87,14 +87,17 @@ def _greedy(model, prompt_ids: list[int]) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
-def _lora_engine(adapters, names, model: dict | None = None, **lora):
+def _lora_engine(adapters, names, model: dict | None = None, speculative: dict | None = None, **lora):
+    """An engine serving `names` from `adapters`; with `speculative`, drafting, with Prometheus metrics."""
+    from conveyor.server.api.metrics import EngineMetrics
     from conveyor.server.config import LoRAConfig
     from conveyor.server.engine.builder import build_engine
 
-    config = engine_config(model=model) if model else engine_config()
+    config = engine_config(**{k: v for k, v in (("model", model), ("speculative", speculative)) if v})
     modules = [f"{name}={adapters[name][0]}" for name in names]
     return build_engine(
-        config.model_copy(update={"lora": LoRAConfig(enable_lora=True, lora_modules=modules, **lora)})
+        config.model_copy(update={"lora": LoRAConfig(enable_lora=True, lora_modules=modules, **lora)}),
+        make_observer=EngineMetrics if speculative else None,
     )
 
 
@@ -137,6 +140,87 @@ def test_four_adapters_and_the_base_model_in_one_batch_match_peft(adapters, base
     again, _ = _run(engine, [(names[1], long_prompt), (None, long_prompt), (names[0], long_prompt)])
     assert first == [adapters[names[0]][1][1]]
     assert again == [adapters[names[1]][1][1], base_tokens[1], adapters[names[0]][1][1]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_adapters_under_speculative_decoding_match_peft(
+    method, adapters, base_tokens, tokenizer, tmp_path_factory
+):
+    """Drafts (prompt n-grams, or the embedded model cut to 22 layers, which drafts without adapters)
+    are verified by the model with each row's adapter: greedy tokens still equal peft's merged models,
+    with the base model's rows in the same batches, and some drafts were accepted."""
+    from conveyor.benchmarks.speculative import embedded_draft
+    from tests.integration.test_speculative import drafted
+
+    if method == "ngram":
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
+    else:
+        spec = {
+            "model": embedded_draft(22, str(tmp_path_factory.mktemp("draft"))),
+            "num_speculative_tokens": 4,
+        }
+    config = {"speculative_config": json.dumps({**spec, "disable_by_batch_size": 1000})}
+    names = list(ADAPTERS)[:4]
+    engine = _lora_engine(adapters, names, speculative=config, max_loras=4)
+    jobs = [(None, tokenizer(p)) for p in PROMPTS] + [(n, tokenizer(p)) for n in names for p in PROMPTS]
+    tokens, _ = _run(engine, jobs)
+    assert tokens == base_tokens + [t for n in names for t in adapters[n][1]]
+    verified, accepted = drafted(engine)
+    assert verified > 0 and accepted > 0, (verified, accepted)
+    assert engine.kv_cache.usage == 0.0
+
+
+def test_adapters_on_a_mixture_of_experts_model_match_peft(hf_tokenizer, tokenizer, tmp_path):
+    """A tiny random Qwen3-MoE (qk-norm, top-2 of 8 experts): an adapter on every attention projection
+    equals peft's merged model token for token, beside the base model in one batch. Adapters that reach
+    the experts are refused by name: peft's (its `target_parameters` on the fused experts) and one
+    whose tensors name an MLP projection of a layer of experts."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    from conveyor.server.model.lora import LoRAError, load_adapter
+    from conveyor.server.model.models.llama import ModelShape
+    from tests.integration.test_architectures import _config, _saved_random_model
+
+    config = _config("qwen3_moe")
+    hf = _saved_random_model(config, hf_tokenizer, tmp_path / "base")
+
+    def save(name: str, targets: list[str]) -> Path:
+        torch.manual_seed(7)
+        lora_config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+        get_peft_model(copy.deepcopy(hf), lora_config).save_pretrained(str(tmp_path / name))
+        return tmp_path / name
+
+    path = save("attention", ["q_proj", "k_proj", "v_proj", "o_proj"])
+    merged = PeftModel.from_pretrained(copy.deepcopy(hf), str(path)).merge_and_unload().eval()
+    prompts = [tokenizer(p) for p in PROMPTS]
+    expected = [_greedy(hf, p) for p in prompts] + [_greedy(merged, p) for p in prompts]
+    assert expected[: len(prompts)] != expected[len(prompts) :], "the adapter changes nothing"
+    adapters = {"attention": (str(path), [])}
+    model = {"model": str(tmp_path / "base"), "max_model_len": 256}
+    engine = _lora_engine(adapters, ["attention"], model=model, max_loras=1)
+    tokens, steps = _run(engine, [(None, p) for p in prompts] + [("attention", p) for p in prompts])
+    assert tokens == expected
+    assert {"attention"} in steps
+    assert engine.kv_cache.usage == 0.0
+
+    shape = ModelShape.from_hf_config(config)
+    experts = save("experts", ["q_proj", "gate_proj", "up_proj", "down_proj"])
+    with pytest.raises(LoRAError, match="'experts': target_parameters .*gate_up_proj"):
+        load_adapter("experts", str(experts), shape, max_lora_rank=8)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "adapter_config.json").write_text((path / "adapter_config.json").read_text())
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    renamed = {k.replace("self_attn.q_proj", "mlp.gate_proj"): v for k, v in tensors.items()}
+    save_file(renamed, str(moved / "adapter_model.safetensors"))
+    with pytest.raises(LoRAError, match="'moved': tensor .*mlp.gate_proj.* mixture-of-experts layer's MLP"):
+        load_adapter("moved", str(moved), shape, max_lora_rank=8)
 
 
 def test_the_python_layers_with_the_reference_kernels_match_peft_too(adapters, base_tokens, tokenizer):

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -111,10 +111,21 @@ class Operator:
 class Env:
     """One namespace with the CRD installed and an operator watching it."""
 
-    def __init__(self, cluster: LocalCluster, namespace: str, operator: Operator) -> None:
+    def __init__(
+        self, cluster: LocalCluster, namespace: str, operator: Operator, standbys: Sequence[Operator] = ()
+    ) -> None:
+        """`standbys`: peers of `operator` (replicas of one Deployment); their logs join failure messages."""
         self.cluster = cluster
         self.namespace = namespace
         self.operator = operator
+        self.standbys = list(standbys)
+
+    def _logs(self) -> str:
+        parts = [self.operator.log_tail()]
+        for standby in self.standbys:
+            state = "running" if standby.process.poll() is None else f"exited {standby.process.returncode}"
+            parts.append(f"--- standby {standby.log_path.name} ({state}):\n{standby.log_tail()}")
+        return "\n".join(parts)
 
     def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return self.cluster.kubectl("-n", self.namespace, *args, **kwargs)
@@ -143,11 +154,9 @@ class Env:
             if result:
                 return result
             if self.operator.process.poll() is not None:
-                pytest.fail(
-                    f"operator exited ({self.operator.process.returncode}):\n{self.operator.log_tail()}"
-                )
+                pytest.fail(f"operator exited ({self.operator.process.returncode}):\n{self._logs()}")
             if time.monotonic() > deadline:
-                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{self.operator.log_tail()}")
+                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{self._logs()}")
             time.sleep(0.25)
 
     def condition(self, name: str, type_: str) -> dict[str, Any] | None:

@@ -559,7 +559,7 @@ def test_the_installed_chart_runs_the_operator_with_its_own_account_then_uninsta
             for a in args[1:]
         ]
         standby = Operator(k8s, workload, tmp_path / "standby.log", kubeconfig=kubeconfig, argv=standby_args)
-        env = Env(k8s, workload, operator)
+        env = Env(k8s, workload, operator, standbys=[standby])
         env.apply(LLAMA_EXAMPLE)
         env.wait_ready("llama-3-8b", timeout=120)
         served = env.get("deployment", "llama-3-8b")
