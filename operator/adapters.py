@@ -3,8 +3,10 @@ condition.
 
 The operator declares the adapters in a ConfigMap every server pod mounts (`render.py`); each server
 loads them before it is Ready and follows the file's changes (`--lora-modules-file`), and exports one
-`conveyor:lora_adapter_info{lora_name, state, error}` series per adapter it was named: state `loaded`,
-or `failed` with the reason. `observe` reads those series of the Ready pods from Prometheus (the
+`conveyor:lora_adapter_info{lora_name, source, state, error}` series per adapter it was named: state
+`loaded`, or `failed` with the reason; `source` `lora-modules-file` marks the adapters of the file (the
+ones the operator declared), apart from those named by `--lora-modules` or loaded at runtime through
+`engine.extraArgs`, which this status neither counts nor waits for. `observe` reads those series of the Ready pods from Prometheus (the
 autoscaler's source), and `adapter_status` (pure) turns them into `status.loraAdapters` and the
 condition:
 
@@ -14,6 +16,7 @@ condition:
                                              one removed from the spec is still served somewhere
                   False  NoReadyReplicas     no server pod is Ready
                   False  MetricsUnavailable  Prometheus cannot be read (or the operator has no URL)
+                  False  Forbidden           the API server refused the step a permission (handlers.py)
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from conveyor.operator.metrics import PrometheusSource, QueryError, selector
 from conveyor.operator.status import ADAPTER_LOAD_FAILED, ADAPTERS_READY, make_condition, with_conditions
 
 ADAPTER_INFO = "conveyor:lora_adapter_info"
+# The `source` of the adapters a server read from its `--lora-modules-file` (server/engine/lora.py's
+# SOURCE_FILE); a series without the label counts as one of them.
+FILE_SOURCE = "lora-modules-file"
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class AdapterReading:
 
 def adapter_query(namespace: str, pods: list[str]) -> str:
     """PromQL of the adapter series of `pods` (one per pod, adapter and state)."""
-    return f"max by (pod, lora_name, state, error) ({ADAPTER_INFO}{{{selector(namespace, pods)}}})"
+    return f"max by (pod, lora_name, source, state, error) ({ADAPTER_INFO}{{{selector(namespace, pods)}}})"
 
 
 def observe(source: PrometheusSource | None, namespace: str, ready_pods: list[str]) -> AdapterReading:
@@ -72,7 +78,7 @@ def adapter_status(
     for labels, _ in reading.series or []:
         name, pod = labels.get("lora_name", ""), labels.get("pod", "")
         if name not in loaded:
-            if labels.get("state") == "loaded":
+            if labels.get("state") == "loaded" and labels.get("source", FILE_SOURCE) == FILE_SOURCE:
                 lingering.setdefault(name, set()).add(pod)
             continue
         if labels.get("state") == "loaded":

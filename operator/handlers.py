@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -170,17 +171,6 @@ def register_autoscale_timer(interval_seconds: float) -> None:
     )(on_adapter_timer)
 
 
-def on_autoscale_timer(namespace: str, name: str, memo: OperatorMemo, logger: Logger, **_: Any) -> None:
-    """One builtin-autoscaler step for one InferenceService: read, decide, write replicas, record."""
-    try:
-        autoscale(memo, namespace, name, logger, time.time())
-    except ApiException as exc:
-        if exc.status != 403:
-            raise
-        with memo.locks.get(namespace, name):
-            _report_forbidden(memo, namespace, name, SCALING, api_message(exc), logger)
-
-
 def reconcile_service(memo: OperatorMemo, namespace: str, name: str, logger: Logger) -> None:
     """Reconcile one InferenceService under its lock. Raises ReconcileFailed when the API server
     refused a child or a permission is missing (status and an Event already say so)."""
@@ -279,18 +269,9 @@ def _post(body: dict[str, Any], events: list[Event], logger: Logger) -> None:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
 
 
-def on_adapter_timer(namespace: str, name: str, memo: OperatorMemo, logger: Logger, **_: Any) -> None:
-    """Refresh `status.loraAdapters` and AdaptersReady from the Ready pods' adapter series."""
-    try:
-        adapter_step(memo, namespace, name, logger, time.time())
-    except ApiException as exc:
-        if exc.status != 403:
-            raise
-        logger.error("cannot write the adapters' status of %s/%s: %s", namespace, name, api_message(exc))
-
-
 def adapter_step(memo: OperatorMemo, namespace: str, name: str, logger: Logger, now_seconds: float) -> None:
-    """One adapters' status step (adapters.py): Prometheus is read without the resource's lock, the
+    """One adapters' status step (adapters.py), refreshing `status.loraAdapters` and AdaptersReady from
+    the Ready pods' adapter series: Prometheus is read without the resource's lock, the
     status written holding it, for the spec as it is then; an AdaptersReady change is an Event."""
     cluster = memo.api
     ready_pods, _ = cluster.pods(namespace, name)
@@ -315,3 +296,26 @@ def adapter_step(memo: OperatorMemo, namespace: str, name: str, logger: Logger, 
         ):
             _post(body, events, logger)
             cluster.patch_status(namespace, name, patch)
+
+
+def _timer(
+    step: Callable[[OperatorMemo, str, str, Logger, float], None], condition_type: str
+) -> Callable[..., None]:
+    """A kopf timer handler running `step` for one InferenceService now; a call the API server refuses
+    for want of a permission turns `condition_type` False with reason Forbidden (`_report_forbidden`)."""
+
+    def on_timer(namespace: str, name: str, memo: OperatorMemo, logger: Logger, **_: Any) -> None:
+        try:
+            step(memo, namespace, name, logger, time.time())
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            with memo.locks.get(namespace, name):
+                _report_forbidden(memo, namespace, name, condition_type, api_message(exc), logger)
+
+    return on_timer
+
+
+# The timers' handlers (`register_autoscale_timer`): the builtin autoscaler's step, and the adapters'.
+on_autoscale_timer = _timer(autoscale, SCALING)
+on_adapter_timer = _timer(adapter_step, ADAPTERS_READY)

@@ -244,12 +244,13 @@ class EngineMetrics:
             gauge.labels(*labels).set_to_current_time()
 
     def watch_lora_adapters(self, states: Callable[[], list[AdapterState]]) -> None:
-        """Export `conveyor:lora_adapter_info{model_name, lora_name, path, digest, state, error}` = 1,
+        """Export `conveyor:lora_adapter_info{model_name, lora_name, path, source, digest, state, error}` = 1,
         read at each scrape from `states()` (`LoRARegistry.states`): one series per adapter served
         (state `loaded`, `digest` of its files, which seeds its prefix-cache hashes,
         `block_hash.lora_hash_root`) and per adapter `--lora-modules-file` declares that is not served
-        (state `failed`, `error` the reason, at most ERROR_LABEL_CHARS characters on one line). The
-        operator's per-adapter status reads it, and the router its replicas' adapters; its label set is
+        (state `failed`, `error` the reason, at most ERROR_LABEL_CHARS characters on one line); `source`
+        says where it was named (`lora-modules`, `lora-modules-file` or `runtime`). The operator's
+        per-adapter status reads it (the file's adapters are the ones it declared), and the router its replicas' adapters; its label set is
         bounded by the adapters named to this server."""
         model_name = self.model_name
         if self._lora_adapters is not None:  # an app made again on the same metrics
@@ -260,6 +261,7 @@ class EngineMetrics:
                 "model_name",
                 "lora_name",
                 "path",
+                "source",
                 "digest",
                 "state",
                 "error",
@@ -280,7 +282,7 @@ class EngineMetrics:
                 for a in states():
                     state = "failed" if a.error else "loaded"
                     error = " ".join(a.error.split())[:ERROR_LABEL_CHARS]
-                    family.add_metric([model_name, a.name, a.path, a.digest, state, error], 1.0)
+                    family.add_metric([model_name, a.name, a.path, a.source, a.digest, state, error], 1.0)
                 yield family
 
         self._lora_adapters = _Adapters()

@@ -20,7 +20,7 @@ from conveyor.server import capacity
 from conveyor.server.config import EngineConfig, GiB, check_prompt_fits_step
 from conveyor.server.engine.draft_model import DraftModel
 from conveyor.server.engine.engine import LLMEngine
-from conveyor.server.engine.lora import LoRARegistry
+from conveyor.server.engine.lora import SOURCE_FLAG, LoRARegistry
 from conveyor.server.engine.speculative import Drafter, measure_step_cost
 from conveyor.server.engine.stats import StatsObserver
 from conveyor.server.messages import EngineLimits
@@ -234,7 +234,7 @@ def _lora_registry(config: EngineConfig, runner: ModelRunner, shape, base_name: 
     )
     registry = LoRARegistry(lc, shape, base_name)
     for module in lc.modules:
-        registry.add(module.name, module.path)
+        registry.add(module.name, module.path, SOURCE_FLAG)
     if lc.lora_modules_file:
         registry.watch(lc.lora_modules_file)
     return registry

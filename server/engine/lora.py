@@ -36,14 +36,20 @@ class UnknownAdapterError(LoRAError):
     """No adapter of that name is served."""
 
 
+# Where an adapter was named to the server: `--lora-modules`, `--lora-modules-file`, or the runtime
+# load endpoint. The operator owns only the file's adapters.
+SOURCE_FLAG, SOURCE_FILE, SOURCE_RUNTIME = "lora-modules", "lora-modules-file", "runtime"
+
+
 @dataclass(frozen=True)
 class AdapterState:
     """One adapter named to the server, as `conveyor:lora_adapter_info` exports it: served (`digest` of
     its files, `model.lora.adapter_digest`), or declared by `--lora-modules-file` and not served
-    (`error`, why)."""
+    (`error`, why); `source` says where it was named (SOURCE_FLAG, SOURCE_FILE or SOURCE_RUNTIME)."""
 
     name: str
     path: str
+    source: str
     digest: str = ""
     error: str = ""
 
@@ -59,6 +65,7 @@ class LoRARegistry:
         self.base_name = base_name
         self._paths: dict[str, str] = {}
         self._digests: dict[str, str] = {}
+        self._sources: dict[str, str] = {}
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
         # `--lora-modules-file`: the adapters it declared that are served, and why the others are not.
@@ -79,9 +86,10 @@ class LoRARegistry:
         with self._lock:
             return self._paths.get(name)
 
-    def add(self, name: str, path: str) -> LoRAAdapter:
-        """Serve the adapter in directory `path` as `name`. Raises LoRAError (the name is taken, or the
-        adapter cannot be served: see `load_adapter`; or `name` is the base model's)."""
+    def add(self, name: str, path: str, source: str = SOURCE_RUNTIME) -> LoRAAdapter:
+        """Serve the adapter in directory `path` as `name`, named by `source` (SOURCE_*). Raises
+        LoRAError (the name is taken, or the adapter cannot be served: see `load_adapter`; or `name` is
+        the base model's)."""
         if name == self.base_name:
             raise LoRAError(f"LoRA adapter {name!r}: the name is the base model's")
         with self._lock:
@@ -92,6 +100,7 @@ class LoRARegistry:
             if name in self._paths:
                 raise LoRAError(f"LoRA adapter {name!r} is already loaded")
             self._paths[name] = path
+            self._sources[name] = source
             self._keep(adapter)
         logger.info("LoRA adapter %r (rank %d) loaded from %s", name, adapter.rank, path)
         return adapter
@@ -103,6 +112,7 @@ class LoRARegistry:
                 raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded")
             self._loaded.pop(name, None)
             self._digests.pop(name, None)
+            self._sources.pop(name, None)
         logger.info("LoRA adapter %r unloaded", name)
 
     def get(self, name: str) -> LoRAAdapter:
@@ -130,8 +140,11 @@ class LoRARegistry:
     def states(self) -> list[AdapterState]:
         """Every adapter named to the server: those served, then those declared and not served."""
         with self._lock:
-            served = [AdapterState(n, p, self._digests.get(n, "")) for n, p in self._paths.items()]
-            return served + [AdapterState(n, p, error=why) for n, (p, why) in self._failed.items()]
+            served = [
+                AdapterState(n, p, self._sources[n], self._digests.get(n, "")) for n, p in self._paths.items()
+            ]
+            failed = [AdapterState(n, p, SOURCE_FILE, error=why) for n, (p, why) in self._failed.items()]
+            return served + failed
 
     def declare(self, declared: dict[str, str]) -> None:
         """Make the adapters `--lora-modules-file` declares (name -> path) the ones it serves: a name it
@@ -154,7 +167,7 @@ class LoRARegistry:
             if name in self._declared or (name in self._failed and not retry):
                 continue
             try:
-                self.add(name, path)
+                self.add(name, path, SOURCE_FILE)
             except LoRAError as exc:
                 with self._lock:
                     if self._failed.get(name) != (path, str(exc)):

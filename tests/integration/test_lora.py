@@ -601,12 +601,13 @@ def test_a_lora_modules_file_is_kept_in_step_while_serving(adapters, tokenizer, 
         assert len(digest) == 32
         assert (
             f'conveyor:lora_adapter_info{{digest="{digest}",error="",lora_name="{first}",'
-            f'model_name="SmolLM2-135M-Instruct",path="{adapters[first][0]}",state="loaded"}} 1.0'
+            f'model_name="SmolLM2-135M-Instruct",path="{adapters[first][0]}",source="lora-modules-file",'
+            'state="loaded"} 1.0'
         ) in scrape
         assert (
-            'lora_name="ghost",model_name="SmolLM2-135M-Instruct",path="/no/such/adapter",state="failed"} 1.0'
-            in scrape
-        )
+            'lora_name="ghost",model_name="SmolLM2-135M-Instruct",path="/no/such/adapter",'
+            'source="lora-modules-file",state="failed"} 1.0'
+        ) in scrape
         # The operator's plan counts exactly the slots the server allocates.
         shape = engine.runner.model.shape
         assert engine.runner.lora.num_bytes == lora_slot_bytes(

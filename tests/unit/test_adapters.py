@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from conveyor.operator.adapters import AdapterReading, adapter_query, adapter_status
+from conveyor.operator.adapters import FILE_SOURCE, AdapterReading, adapter_query, adapter_status
+from conveyor.server.engine.lora import SOURCE_FILE, SOURCE_FLAG, SOURCE_RUNTIME
 
 NOW = "2026-12-07T10:00:00Z"
 PODS = ["svc-a", "svc-b", "svc-c"]
 
 
-def _series(pod: str, name: str, error: str = "") -> tuple[dict[str, str], float]:
+def _series(pod: str, name: str, error: str = "", source: str = SOURCE_FILE) -> tuple[dict[str, str], float]:
     state = "failed" if error else "loaded"
-    return {"pod": pod, "lora_name": name, "state": state, "error": error}, 1.0
+    return {"pod": pod, "lora_name": name, "source": source, "state": state, "error": error}, 1.0
 
 
 def _status(series, declared=("sql", "de"), pods=PODS, previous: dict[str, Any] | None = None, error=None):
@@ -46,6 +47,16 @@ def test_a_replica_without_an_adapter_or_with_a_removed_one_is_still_loading() -
     assert _condition(partial)["message"] == "de loaded on 1 of 3 Ready replicas"
     lingering = _status([_series(p, n) for p in PODS for n in ("sql", "de")] + [_series("svc-b", "old")])
     assert _condition(lingering)["message"] == "old, removed from the spec, still served on 1 Ready replicas"
+
+
+def test_adapters_named_outside_the_file_are_neither_counted_nor_waited_for() -> None:
+    """`--lora-modules` in `engine.extraArgs`, or runtime loading: the operator did not declare them."""
+    assert FILE_SOURCE == SOURCE_FILE
+    served = [_series(p, n) for p in PODS for n in ("sql", "de")]
+    others = [_series("svc-a", "extra", source=SOURCE_FLAG), _series("svc-b", "live", source=SOURCE_RUNTIME)]
+    status = _status(served + others)
+    assert (_condition(status)["status"], _condition(status)["reason"]) == ("True", "AdaptersLoaded")
+    assert [entry["name"] for entry in status["loraAdapters"]] == ["sql", "de"]
 
 
 def test_a_failed_adapter_names_the_reason_and_the_replicas() -> None:
@@ -86,5 +97,6 @@ def test_the_condition_keeps_its_transition_time_and_the_other_conditions() -> N
 
 def test_the_query_selects_the_ready_pods_by_name() -> None:
     assert adapter_query("ns", ["svc-b", "svc.a"]) == (
-        'max by (pod, lora_name, state, error) (conveyor:lora_adapter_info{namespace="ns",pod=~"svc-b|svc\\\\.a"})'
+        "max by (pod, lora_name, source, state, error) "
+        '(conveyor:lora_adapter_info{namespace="ns",pod=~"svc-b|svc\\\\.a"})'
     )

@@ -596,3 +596,35 @@ def test_an_autoscaling_step_without_prometheus_holds_replicas_and_says_so_once(
     )
     assert cluster.objects[("Deployment", NAME)]["spec"]["replicas"] == 1
     assert memo.metrics_available is False and memo.autoscaler_history is not None
+
+
+def test_the_adapters_timer_reports_a_lost_permission_on_its_condition(
+    events: list[tuple[str, str, str]], posted: list[tuple[str, str, str]]
+) -> None:
+    """A 403 in the adapters' status step (here listing the pods) turns AdaptersReady False with reason
+    Forbidden and the API server's message, with one Warning Event, as the autoscaler's timer does for
+    Scaling; the handler itself does not raise."""
+    from kubernetes.client.exceptions import ApiException
+
+    lora = {"adapters": [{"name": "sql", "uri": "hf://org/sql-lora"}]}
+    cluster = FakeCluster({**LLAMA, "model": {**LLAMA["model"], "lora": lora}})
+    reconcile(cluster, events)
+    message = 'pods is forbidden: User "system:serviceaccount:ops:conveyor" cannot list resource "pods"'
+    forbidden = ApiException(status=403, reason="Forbidden")
+    forbidden.body = json.dumps({"kind": "Status", "message": message})
+
+    def pods(namespace: str, name: str, selector: str | None = None) -> tuple[list[str], list[str]]:
+        raise forbidden
+
+    cluster.pods = pods  # type: ignore[method-assign]
+    memo = OperatorMemo(cluster=cluster)
+    for _ in range(2):
+        handlers.on_adapter_timer(namespace=NAMESPACE, name=NAME, memo=memo, logger=logging.getLogger("test"))
+    assert posted == [("Warning", "Forbidden", message)]
+    assert cluster.isvc is not None
+    adapters_ready = next(c for c in cluster.isvc["status"]["conditions"] if c["type"] == "AdaptersReady")
+    assert (adapters_ready["status"], adapters_ready["reason"], adapters_ready["message"]) == (
+        "False",
+        "Forbidden",
+        message,
+    )
