@@ -151,24 +151,14 @@ def register_autoscale_timer(interval_seconds: float) -> None:
     interval."""
     # Only autoscaled resources get the timer, and with it kopf's finalizer (kopf stops a timer before
     # its resource goes, so deleting an autoscaled InferenceService waits for a running operator).
-    kopf.timer(
-        GROUP,
-        VERSION,
-        PLURAL,
-        interval=interval_seconds,
-        id="autoscale",
-        field="spec.autoscaling",
-        value=kopf.PRESENT,
-    )(on_autoscale_timer)
-    kopf.timer(
-        GROUP,
-        VERSION,
-        PLURAL,
-        interval=interval_seconds,
-        id="lora-status",
-        field="spec.model.lora",
-        value=kopf.PRESENT,
-    )(on_adapter_timer)
+    timers = (
+        ("autoscale", "spec.autoscaling", on_autoscale_timer),
+        ("lora-status", "spec.model.lora", on_adapter_timer),
+    )
+    for id_, field, handler in timers:
+        kopf.timer(
+            GROUP, VERSION, PLURAL, interval=interval_seconds, id=id_, field=field, value=kopf.PRESENT
+        )(handler)
 
 
 def reconcile_service(memo: OperatorMemo, namespace: str, name: str, logger: Logger) -> None:

@@ -28,10 +28,8 @@ import openai
 import pytest
 import yaml
 
-from tests.k8s.cluster import LocalCluster, NodePool
-from tests.k8s.local_pods import LocalPods
-from tests.k8s.operator_env import CRD_PATH, REPO, Env, Operator
-from tests.prometheus import PrometheusServer
+from tests.e2e.local_stack import local_stack
+from tests.k8s.operator_env import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.k8s, pytest.mark.slow]
 
@@ -107,37 +105,18 @@ def test_walkthrough_serves_scales_restarts_and_cleans_up(tmp_path: Path) -> Non
         timeline.append(f"{now:6.1f}s  {what}")
         return now
 
-    cluster = LocalCluster([NodePool(product="NVIDIA-L4", count=1, gpus_per_node=4)], process_pods=True)
-    cluster.start()
-    (tmp_path / "prometheus").mkdir()
-    prometheus = PrometheusServer(tmp_path / "prometheus", scrape_interval=1)
-    pods = LocalPods(cluster, tmp_path / "local", prometheus=prometheus)
-    operator: Operator | None = None
     load: subprocess.Popen | None = None
     seen: dict[str, tuple[int, int]] = {}  # pod key -> (pid, port) of every process that ran
+    with local_stack(tmp_path, "walkthrough") as stack:
+        pods, prometheus, env = stack.pods, stack.prometheus, stack.env
+        namespace = env.namespace
 
-    def sample() -> dict[str, int]:
-        pids = pods.pids()
-        for key, pid in pids.items():
-            seen.setdefault(f"{key}#{pid}", (pid, next(p.port for p in pods.pods.values() if p.key == key)))
-        return pids
-
-    try:
-        prometheus.start()
-        pods.start()
-        cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-        cluster.wait_established("inferenceservices.serving.conveyor.dev")
-        namespace = cluster.create_namespace("walkthrough")
-        operator = Operator(
-            cluster,
-            namespace,
-            tmp_path / "operator.log",
-            "--prometheus-url",
-            prometheus.url,
-            "--autoscale-interval",
-            "2",
-        )
-        env = Env(cluster, namespace, operator)
+        def sample() -> dict[str, int]:
+            pids = pods.pids()
+            for key, pid in pids.items():
+                port = next(p.port for p in pods.pods.values() if p.key == key)
+                seen.setdefault(f"{key}#{pid}", (pid, port))
+            return pids
 
         def replicas() -> int:
             return (env.get("deployment", NAME) or {}).get("spec", {}).get("replicas", 0)
@@ -145,110 +124,111 @@ def test_walkthrough_serves_scales_restarts_and_cleans_up(tmp_path: Path) -> Non
         def servers() -> list[dict[str, Any]]:
             return [p for p in env.pods(NAME) if not p["metadata"].get("deletionTimestamp")]
 
-        # 1. Apply, then a real answer through the URL (forwarder -> router -> server).
-        env.apply(manifest(router=True))
-        mark("applied (router enabled)")
-        url = pods.wait_url(namespace, NAME, timeout=SERVER_START_TIMEOUT)
-        mark(f"reachable at {url}")
-        env.wait_ready(NAME, replicas=1, timeout=SERVER_START_TIMEOUT)
-        answer = chat(url)
-        assert answer.strip(), "an empty answer through the InferenceService URL"
-        mark(f"answer through the URL: {answer!r}")
-        env.eventually(
-            lambda: (env.condition(NAME, "MetricsAvailable") or {}).get("status") == "True",
-            "the operator's first Prometheus reading",
-            timeout=60,
-        )
-        first = servers()[0]["metadata"]["name"]
-        assert len([k for k in sample() if k.startswith(f"{namespace}/")]) == 2  # the server and the router
+        try:
+            # 1. Apply, then a real answer through the URL (forwarder -> router -> server).
+            env.apply(manifest(router=True))
+            mark("applied (router enabled)")
+            url = pods.wait_url(namespace, NAME, timeout=SERVER_START_TIMEOUT)
+            mark(f"reachable at {url}")
+            env.wait_ready(NAME, replicas=1, timeout=SERVER_START_TIMEOUT)
+            answer = chat(url)
+            assert answer.strip(), "an empty answer through the InferenceService URL"
+            mark(f"answer through the URL: {answer!r}")
+            env.eventually(
+                lambda: (env.condition(NAME, "MetricsAvailable") or {}).get("status") == "True",
+                "the operator's first Prometheus reading",
+                timeout=60,
+            )
+            first = servers()[0]["metadata"]["name"]
+            assert (
+                len([k for k in sample() if k.startswith(f"{namespace}/")]) == 2
+            )  # the server and the router
 
-        # 2. Load above the target queue depth: one more replica, and it answers.
-        load = bench(url, tmp_path / "bench.log")
-        mark("load started: conveyor bench, concurrency 12 (4 sequences per replica, target queue 2)")
-        env.eventually(lambda: replicas() == 2, "a scale-up under load", timeout=180)
-        up = next(e for e in env.events(NAME) if e["reason"] == "ScaleUp")
-        decided = mark(f"ScaleUp: {up['message']}")
-        assert "queue depth" in up["message"], up["message"]
-        new = env.eventually(
-            lambda: next((p for p in servers() if p["metadata"]["name"] != first and pod_ready(p)), None),
-            "the new replica Ready",
-            timeout=SERVER_START_TIMEOUT,
-        )["metadata"]["name"]
-        mark(f"pod {new} Ready")
-        sample()
-        tokens = f'sum(conveyor:generation_tokens_total{{namespace="{namespace}",pod="{new}"}}) > 0'
-        env.eventually(lambda: prometheus.query(tokens), f"{new} answering requests", timeout=120)
-        answered = mark(f"pod {new} answers (tokens in Prometheus)")
-        timeline.append(f"        scale-up decision to the new replica answering: {answered - decided:.1f}s")
-        load.terminate()
-        load.wait(timeout=30)
-        mark("load stopped")
+            # 2. Load above the target queue depth: one more replica, and it answers.
+            load = bench(url, tmp_path / "bench.log")
+            mark("load started: conveyor bench, concurrency 12 (4 sequences per replica, target queue 2)")
+            env.eventually(lambda: replicas() == 2, "a scale-up under load", timeout=180)
+            up = next(e for e in env.events(NAME) if e["reason"] == "ScaleUp")
+            decided = mark(f"ScaleUp: {up['message']}")
+            assert "queue depth" in up["message"], up["message"]
+            new = env.eventually(
+                lambda: next((p for p in servers() if p["metadata"]["name"] != first and pod_ready(p)), None),
+                "the new replica Ready",
+                timeout=SERVER_START_TIMEOUT,
+            )["metadata"]["name"]
+            mark(f"pod {new} Ready")
+            sample()
+            tokens = f'sum(conveyor:generation_tokens_total{{namespace="{namespace}",pod="{new}"}}) > 0'
+            env.eventually(lambda: prometheus.query(tokens), f"{new} answering requests", timeout=120)
+            answered = mark(f"pod {new} answers (tokens in Prometheus)")
+            timeline.append(
+                f"        scale-up decision to the new replica answering: {answered - decided:.1f}s"
+            )
+            load.terminate()
+            load.wait(timeout=30)
+            mark("load stopped")
 
-        # 3. Quiet: back to one replica after the window, and the removed pod's process ends.
-        env.eventually(lambda: replicas() == 1, "a scale-down after the window", timeout=180)
-        down = [e["message"] for e in env.events(NAME) if e["reason"] == "ScaleDown"]
-        mark(f"ScaleDown: {down[-1]}")
-        env.eventually(lambda: len(servers()) == 1, "the removed pod gone", timeout=60)
-        survivor = servers()[0]["metadata"]["name"]
-        env.eventually(
-            lambda: len([k for k in pods.pids() if k.startswith(f"{namespace}/{NAME}-")]) == 2,
-            "one server process and the router's left",
-            timeout=60,
-        )
-        mark(f"scaled down to {survivor}; the other server process ended")
+            # 3. Quiet: back to one replica after the window, and the removed pod's process ends.
+            env.eventually(lambda: replicas() == 1, "a scale-down after the window", timeout=180)
+            down = [e["message"] for e in env.events(NAME) if e["reason"] == "ScaleDown"]
+            mark(f"ScaleDown: {down[-1]}")
+            env.eventually(lambda: len(servers()) == 1, "the removed pod gone", timeout=60)
+            survivor = servers()[0]["metadata"]["name"]
+            env.eventually(
+                lambda: len([k for k in pods.pids() if k.startswith(f"{namespace}/{NAME}-")]) == 2,
+                "one server process and the router's left",
+                timeout=60,
+            )
+            mark(f"scaled down to {survivor}; the other server process ended")
 
-        # 4. A killed server process is restarted; the pod's readiness follows it.
-        key = f"{namespace}/{survivor}"
-        killed = sample()[key]
-        os.kill(killed, signal.SIGKILL)
-        mark(f"kill -9 {killed} ({survivor})")
+            # 4. A killed server process is restarted; the pod's readiness follows it.
+            key = f"{namespace}/{survivor}"
+            killed = sample()[key]
+            os.kill(killed, signal.SIGKILL)
+            mark(f"kill -9 {killed} ({survivor})")
 
-        def restarted_status() -> dict[str, Any] | None:
-            pod = env.get("pod", survivor) or {}
-            status = (pod.get("status", {}).get("containerStatuses") or [{}])[0]
-            return status if status.get("restartCount", 0) >= 1 and not pod_ready(pod) else None
+            def restarted_status() -> dict[str, Any] | None:
+                pod = env.get("pod", survivor) or {}
+                status = (pod.get("status", {}).get("containerStatuses") or [{}])[0]
+                return status if status.get("restartCount", 0) >= 1 and not pod_ready(pod) else None
 
-        status = env.eventually(restarted_status, f"{survivor} not Ready with a restart counted", timeout=30)
-        assert status["lastState"]["terminated"]["exitCode"] == 137, status
-        mark(f"{survivor} not Ready, restartCount {status['restartCount']}, exit 137")
-        env.eventually(
-            lambda: pod_ready(env.get("pod", survivor) or {}), f"{survivor} Ready again", timeout=120
-        )
-        assert sample()[key] != killed
-        mark(f"{survivor} Ready again (pid {pods.pids()[key]})")
-        assert chat(url).strip()
-        mark("answer through the URL again")
+            status = env.eventually(
+                restarted_status, f"{survivor} not Ready with a restart counted", timeout=30
+            )
+            assert status["lastState"]["terminated"]["exitCode"] == 137, status
+            mark(f"{survivor} not Ready, restartCount {status['restartCount']}, exit 137")
+            env.eventually(
+                lambda: pod_ready(env.get("pod", survivor) or {}), f"{survivor} Ready again", timeout=120
+            )
+            assert sample()[key] != killed
+            mark(f"{survivor} Ready again (pid {pods.pids()[key]})")
+            assert chat(url).strip()
+            mark("answer through the URL again")
 
-        # 5. Deleting the InferenceService ends every process and closes its URL.
-        ours = {k: v for k, v in seen.items() if k.startswith(f"{namespace}/")}
-        env.delete(NAME)
-        env.eventually(
-            lambda: not any(group_alive(pid) for pid, _ in ours.values()), "every pod process ended", 60
-        )
-        assert not [port for _, port in ours.values() if port_open(port)]
-        url_port = int(url.rsplit(":", 1)[1])
-        env.eventually(lambda: not port_open(url_port), "the InferenceService URL closed", timeout=10)
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{url}/health", timeout=5)
-        mark(f"deleted: {len(ours)} processes ended, their ports and {url} closed")
+            # 5. Deleting the InferenceService ends every process and closes its URL.
+            ours = {k: v for k, v in seen.items() if k.startswith(f"{namespace}/")}
+            env.delete(NAME)
+            env.eventually(
+                lambda: not any(group_alive(pid) for pid, _ in ours.values()), "every pod process ended", 60
+            )
+            assert not [port for _, port in ours.values() if port_open(port)]
+            url_port = int(url.rsplit(":", 1)[1])
+            env.eventually(lambda: not port_open(url_port), "the InferenceService URL closed", timeout=10)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/health", timeout=5)
+            mark(f"deleted: {len(ours)} processes ended, their ports and {url} closed")
 
-        # 6. Without a router the URL forwards to the servers; stopping the cluster ends everything.
-        env.apply(manifest(router=False))
-        url = pods.wait_url(namespace, NAME, timeout=SERVER_START_TIMEOUT)
-        assert chat(url).strip()
-        sample()
-        mark(f"re-applied without a router: answer through {url}")
-    finally:
-        if load is not None and load.poll() is None:
-            load.kill()
-        print("\n".join(["local cluster walkthrough timeline:", *timeline]))
-        if operator is not None:
-            operator.stop()
-        components = list(cluster.pids.values())
-        pods.stop()
-        prometheus.stop()
-        cluster.stop()
+            # 6. Without a router the URL forwards to the servers; stopping the cluster ends everything.
+            env.apply(manifest(router=False))
+            url = pods.wait_url(namespace, NAME, timeout=SERVER_START_TIMEOUT)
+            assert chat(url).strip()
+            sample()
+            mark(f"re-applied without a router: answer through {url}")
+        finally:
+            if load is not None and load.poll() is None:
+                load.kill()
+            print("\n".join(["local cluster walkthrough timeline:", *timeline]))
     assert not [pid for pid, _ in seen.values() if group_alive(pid)], "pod processes outlived the cluster"
     assert not [port for _, port in seen.values() if port_open(port)]
     assert not port_open(int(url.rsplit(":", 1)[1]))
-    assert not [pid for pid in components if group_alive(pid)], "cluster components outlived its stop"
+    assert not [pid for pid in stack.components if group_alive(pid)], "cluster components outlived its stop"

@@ -26,10 +26,8 @@ import pytest
 import torch
 import yaml
 
-from tests.k8s.cluster import LocalCluster, NodePool
-from tests.k8s.local_pods import LocalPods
-from tests.k8s.operator_env import CRD_PATH, REPO, Env, Operator
-from tests.prometheus import PrometheusServer
+from tests.e2e.local_stack import local_stack
+from tests.k8s.operator_env import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.k8s, pytest.mark.slow]
 
@@ -95,28 +93,9 @@ def served(port: int) -> set[str]:
 
 def test_adapters_follow_the_spec_on_every_replica(tmp_path: Path) -> None:
     paths, answers = make_adapters(tmp_path / "adapters")
-    cluster = LocalCluster([NodePool(product="NVIDIA-L4", count=1, gpus_per_node=4)], process_pods=True)
-    cluster.start()
-    (tmp_path / "prometheus").mkdir()
-    prometheus = PrometheusServer(tmp_path / "prometheus", scrape_interval=1)
-    pods = LocalPods(cluster, tmp_path / "local", prometheus=prometheus, max_server_processes=3)
-    operator: Operator | None = None
-    try:
-        prometheus.start()
-        pods.start()
-        cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-        cluster.wait_established("inferenceservices.serving.conveyor.dev")
-        namespace = cluster.create_namespace("lora")
-        operator = Operator(
-            cluster,
-            namespace,
-            tmp_path / "operator.log",
-            "--prometheus-url",
-            prometheus.url,
-            "--autoscale-interval",
-            "2",
-        )
-        env = Env(cluster, namespace, operator)
+    with local_stack(tmp_path, "lora", max_server_processes=3) as stack:
+        pods, env = stack.pods, stack.env
+        namespace = env.namespace
 
         def server_pods() -> dict[str, Any]:
             """Server pod name -> its local process (LocalPod), for the live pods of the service."""
@@ -205,13 +184,3 @@ def test_adapters_follow_the_spec_on_every_replica(tmp_path: Path) -> None:
         )
         assert out.choices[0].text == answers["sql"]
         assert pods.pids() == pids, "a pod was restarted"
-    except BaseException:
-        if operator is not None:
-            print(operator.log_tail(80))
-        raise
-    finally:
-        if operator is not None:
-            operator.stop()
-        pods.stop()
-        prometheus.stop()
-        cluster.stop()

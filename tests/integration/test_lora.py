@@ -150,15 +150,10 @@ def test_adapters_under_speculative_decoding_match_peft(
     are verified by the model with each row's adapter: greedy tokens still equal peft's merged models,
     with the base model's rows in the same batches, and some drafts were accepted."""
     from conveyor.benchmarks.speculative import embedded_draft
-    from tests.integration.test_speculative import drafted
+    from tests.integration.test_speculative import NGRAM, drafted
 
     if method == "ngram":
-        spec = {
-            "method": "ngram",
-            "num_speculative_tokens": 4,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        }
+        spec = NGRAM
     else:
         spec = {
             "model": embedded_draft(22, str(tmp_path_factory.mktemp("draft"))),
