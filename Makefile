@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # `operator/` would shadow the standard library's `operator` if the working directory were on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: docs docs-serve generate images image-tools serve test bench bench-peers bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
+.PHONY: docs docs-serve generate images image-tools serve test bench bench-peers bench-sweep bench-autoscale bench-router lint fmt install k8s-tools cluster prometheus cxx gpu-check gpu-check-wheels
 
 install: $(STAMP)
 
@@ -55,6 +55,11 @@ bench: $(STAMP) cxx
 # (benchmarks/run_peers.py); each installs once into ~/.cache/conveyor.
 bench-peers: $(STAMP)
 	$(PY) -m conveyor.benchmarks.run_peers $(BENCH_ARGS)
+
+# conveyor and vLLM's CPU build over a grid of workload shapes (benchmarks/sweep.py); writes
+# benchmarks/results/<date>/sweep*; the last line reads `sweep: ...`.
+bench-sweep: $(STAMP) cxx
+	$(PY) -m conveyor.benchmarks.sweep $(BENCH_ARGS)
 
 # The CUDA path on a GPU machine in one run (hack/gpu-check/run.sh); prints the report's path last.
 gpu-check:

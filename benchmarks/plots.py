@@ -100,3 +100,42 @@ def chunked_prefill_tradeoff(runs: Sequence[Run], path: str | Path, title: str) 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def ratio_heat_map(
+    panels: Mapping[Any, Mapping[tuple[Any, Any], float | None]],
+    path: str | Path,
+    title: str,
+    row_label: str,
+    col_label: str,
+) -> None:
+    """One heat map per panel (titled by its key) of ratios keyed (row, column), each cell annotated;
+    green above 1, red below (log scale, 0.25x to 4x). A missing ratio is a grey cell."""
+    from matplotlib.colors import LogNorm
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.5, 4.2 * len(panels)), 4.2), squeeze=False)
+    norm = LogNorm(vmin=0.25, vmax=4.0)
+    image = None
+    for ax, (key, cells) in zip(axes[0], panels.items(), strict=True):
+        rows = sorted({r for r, _ in cells})
+        cols = sorted({c for _, c in cells})
+        values = [[cells.get((r, c)) or float("nan") for c in cols] for r in rows]
+        image = ax.imshow(values, cmap="RdYlGn", norm=norm, origin="lower")
+        for i, row in enumerate(values):
+            for j, value in enumerate(row):
+                ax.text(
+                    j, i, "-" if value != value else f"{value:.2f}x", ha="center", va="center", fontsize=9
+                )
+        ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+        ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+        ax.set_xlabel(col_label)
+        ax.set_title(f"output {key}", fontsize=9)
+    axes[0][0].set_ylabel(row_label)
+    if image is not None:
+        ticks = [0.25, 0.5, 1.0, 2.0, 4.0]
+        bar = fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, ticks=ticks)
+        bar.ax.set_yticklabels([f"{t:g}x" for t in ticks])
+        bar.ax.minorticks_off()
+    fig.suptitle(title, fontsize=9, wrap=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
