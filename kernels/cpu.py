@@ -5,8 +5,9 @@ dispatch plus an intermediate tensor, and its paged decode attention copies ever
 before reading them. `csrc/cpu_kernels.cpp` does each kernel in one pass: RMSNorm (with the residual
 add fused), rotary embedding, SiLU-and-mul, the KV cache write, and paged decode attention that reads
 K/V straight from the blocks with float32 scores and softmax (as vLLM's CPU and CUDA paged-attention
-kernels). Rows of prefill and chunked-prefill sequences go through the reference's
-`prefill_attention` (torch's flash-attention kernel for CPU).
+kernels). Rows of prefill and chunked-prefill sequences go through `csrc/attention.cpp`: a
+flash-attention kernel on AVX512_BF16's dot products in bfloat16, torch's flash-attention kernel for
+CPU otherwise (and the reference's `prefill_attention` with a sliding window or a soft cap).
 
 The library is compiled with the machine's C++ compiler the first time it is needed (20-70 s on
 2 cores; `torch.utils.cpp_extension`, `-O3 -march=native`) and cached under `TORCH_EXTENSIONS_DIR`
@@ -41,7 +42,15 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
     CSRC / name
-    for name in ("cpu_kernels.cpp", "linear.cpp", "quant.cpp", "decoder.cpp", "moe.cpp", "lora.cpp")
+    for name in (
+        "cpu_kernels.cpp",
+        "linear.cpp",
+        "quant.cpp",
+        "decoder.cpp",
+        "moe.cpp",
+        "lora.cpp",
+        "attention.cpp",
+    )
 )
 EXTENSION_NAME = "conveyor_cpu_kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -249,8 +258,12 @@ def paged_attention(
     Decode rows (one query token), and each row of a sequence with at most MAX_DECODE_KERNEL_QUERY_LEN
     (draft tokens, a short chunk) against the keys up to its own position, use the C++ kernel, which
     with a sliding window starts its walk at the window's first key; a step of decodes only needs no
-    host sync. Longer prefill rows use the reference's `prefill_attention`, which gathers no block
-    before the chunk's first window.
+    host sync. Longer prefill rows run `csrc/attention.cpp`: in bfloat16 with AVX512_BF16 (and a
+    head_dim that is a multiple of 32) a flash-attention kernel on `vdpbf16ps`, otherwise torch's
+    flash-attention kernel for CPU per sequence. On a 2-core AVX512_BF16 EPYC, 9 query heads over 3 KV
+    heads of head_dim 64, causal, one sequence: 3.8 ms a layer at 1,024 tokens against torch's 10.0
+    (320 against 120 GFLOP/s), 61.7 ms at 4,096 against 121.0 (313 against 160). With a sliding window or a soft cap they run the
+    reference's `prefill_attention`, which gathers no block before the chunk's first window.
     """
     check_window_and_soft_cap(sliding_window, logits_soft_cap)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -267,9 +280,22 @@ def paged_attention(
             out, query, key_cache, value_cache, step.decode_tables, step.decode_lens,
             torch.arange(len(rows)), rows, *options,
         )  # fmt: skip
-    prefill_attention(
-        out, query, key_cache, value_cache, block_tables, step.q_lens, step.starts, step.seq_lens, *options
-    )
+    if sliding_window is None and logits_soft_cap is None:
+        torch.ops.conveyor_attention.prefill_attention(
+            out, query, key_cache, value_cache, block_tables, step.q_lens, step.starts, step.seq_lens, scale
+        )
+    else:
+        prefill_attention(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            step.q_lens,
+            step.starts,
+            step.seq_lens,
+            *options,
+        )
     return out
 
 

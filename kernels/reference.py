@@ -298,7 +298,8 @@ def prefill_attention(
     """The rows of sequences with `q_len > 1` (prefill, chunked prefill) of `paged_attention`, written
     into `out` in place, one sequence at a time with torch's flash-attention kernel for CPU (or, with a
     soft cap, which it cannot apply, two matmuls and a float32 softmax); rows of decode sequences are
-    left as they are. Shared by the `torch` and `cpu` backends.
+    left as they are. The `torch` backend's, and the `cpu` backend's with a sliding window or a soft cap
+    (`csrc/attention.cpp` runs the others).
 
     out, query: `[num_tokens, num_heads, head_dim]`. q_lens, starts, seq_lens: per sequence, Python ints
     (query rows `starts[b] : starts[b] + q_lens[b]`, `seq_lens[b]` tokens of context). sliding_window,

@@ -11,7 +11,7 @@
 // per layer. On 2 cores it took a bfloat16 step of the embedded model from 40.5 to 39.3 ms (the
 // profiler had put the Python between ops at 6 ms; most of that was its own cost).
 //
-// Prefill rows attend through torch's flash-attention kernel (causal or with a chunk's mask). A step
+// Prefill rows attend through attention.cpp (causal, or a chunk against its cached prefix). A step
 // with prefill rows of a model with sliding windows or soft caps is not run here: the Python layers run
 // it (conveyor.kernels.reference.prefill_attention's masked and soft-capped paths); its decode steps are.
 //
@@ -31,6 +31,13 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+
+namespace conveyor::attention {  // attention.cpp, in the same library
+void prefill(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+             const at::Tensor& value_cache, const at::Tensor& block_tables, const std::vector<int64_t>& seqs,
+             const std::vector<int64_t>& q_lens, const std::vector<int64_t>& starts,
+             const std::vector<int64_t>& seq_lens, double scale);
+}  // namespace conveyor::attention
 
 namespace conveyor::lora {  // lora.cpp, in the same library
 at::Tensor add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
@@ -127,38 +134,16 @@ StepLayout step_layout(const Tensor& query_start_loc, const Tensor& seq_lens, co
 }
 
 // The rows of prefilling sequences, as conveyor.kernels.reference.prefill_attention computes them
-// (the sequence's K/V gathered from its blocks, then torch's scaled_dot_product_attention).
+// (attention.cpp: a flash kernel in bfloat16 with AVX512_BF16, torch's otherwise).
 void prefill_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                        const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                        const StepLayout& layout, double scale) {
-  const int64_t block_size = key_cache.size(1);
   const Tensor lens = seq_lens.to(at::kLong);
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (size_t i = 0; i < layout.prefill_seqs.size(); ++i) {
-    const int64_t b = layout.prefill_seqs[i], start = layout.starts[i], q_len = layout.q_lens[i];
-    const int64_t seq_len = lp[b];
-    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    const Tensor ids = block_tables[b].narrow(0, 0, num_blocks).to(at::kLong);
-    auto gather = [&](const Tensor& cache) {
-      return cache.index_select(0, ids)
-          .reshape({num_blocks * block_size, cache.size(2), cache.size(3)})
-          .narrow(0, 0, seq_len)
-          .transpose(0, 1);  // [num_kv_heads, seq_len, head_dim]
-    };
-    const Tensor k = gather(key_cache), v = gather(value_cache);
-    const Tensor q = query.narrow(0, start, q_len).transpose(0, 1);  // [num_heads, q_len, head_dim]
-    Tensor o;
-    if (q_len == seq_len) {
-      o = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true, scale, true);
-    } else {
-      // A chunk of a longer context: row i sees the cached prefix and its own causal part.
-      const auto opts = at::TensorOptions().dtype(at::kLong);
-      const Tensor pos = at::arange(seq_len - q_len, seq_len, opts);
-      const Tensor mask = at::arange(seq_len, opts).unsqueeze(0) <= pos.unsqueeze(1);
-      o = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, true);
-    }
-    out.narrow(0, start, q_len).copy_(o.transpose(0, 1));
-  }
+  std::vector<int64_t> lengths;
+  for (const int64_t b : layout.prefill_seqs) lengths.push_back(lp[b]);
+  conveyor::attention::prefill(out, query, key_cache, value_cache, block_tables, layout.prefill_seqs,
+                               layout.q_lens, layout.starts, lengths, scale);
 }
 
 // The gated MLP's activation: SiLU(gate) * up with the C++ kernel, or tanh-GELU(gate) * up in ATen,
