@@ -19,7 +19,7 @@
 // scaled_dot_product_attention per sequence, as the reference does.
 //
 // Against torch's CPU flash attention on 2 AVX512_BF16 cores (9 query heads, 3 KV heads, head_dim 64):
-// see conveyor.kernels.cpu.prefill_attention's docstring for the measured rates.
+// see conveyor.kernels.cpu.paged_attention's docstring for the measured rates.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
