@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "conveyor" / "vllm-cpu-venv"))
     parser.add_argument("--out", default=None, help="results folder; default benchmarks/results/<UTC date>")
     args = parser.parse_args(argv)
+    command = " ".join(["python -m conveyor.benchmarks.sweep", *(sys.argv[1:] if argv is None else argv)])
 
     from conveyor.server.engine.builder import pick_dtype
     from conveyor.server.model.loader import converted, resolve_model
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = int(args.kv_cache_gib * GiB)
     common = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
     conveyor_flags = [*common, "--kv-cache-memory", str(kv_bytes)]
-    sections, verdicts = [], []
+    sections, verdicts, failed = [], [], 0
     for dtype in dtypes:
         target = AUTO_TARGET if dtype == auto else FLOAT32_TARGET
         try:
@@ -288,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         except ServerStartError as err:
             print(f"[sweep] {dtype}: {err}", flush=True)
             return 1
+        failed += sum(run["failed"] for runs in (ours, peer) for run in runs.values())
         rows = compare(cells, ours, peer, target)
         record = {"dtype": dtype, "peer": peer_name, "threads": args.threads, "cpu": cpu_flags(), "flags": isa_flags(),
                   "max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "kv_cache_gib": args.kv_cache_gib,
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     text = (
         f"# Workload-shape sweep: conveyor and {peer_name}, one run\n\n"
-        f"Command: `make bench-sweep`. CPU: {cpu_flags()}, {os.cpu_count()} cores (flags: {isa_flags()}); both servers on "
+        f"Command: `{command}` (`make bench-sweep` with `BENCH_ARGS`). CPU: {cpu_flags()}, {os.cpu_count()} cores (flags: {isa_flags()}); both servers on "
         f"{args.threads} threads, --max-num-seqs {max_num_seqs}, --max-model-len {max_model_len}, "
         f"{args.kv_cache_gib} GiB of KV cache, prefix caching on; one wave per cell (its requests at "
         "once, exact output lengths); throughput is output tokens over the wave's wall time.\n\n"
@@ -316,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     (out / "sweep.md").write_text(text)
     print(text)
+    if failed:
+        verdicts.append(f"{failed} requests failed (the runs' first_error in sweep_<dtype>.json)")
     print("sweep: " + "; ".join(verdicts), flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
