@@ -111,7 +111,7 @@ def attention_layout(
 class PreparedStep:
     """What the torch kernels derive from one step's metadata (`prepare_metadata`), shared by every layer.
 
-    attention: the step's `AttentionLayout`. rope_cos, rope_sin: `[num_tokens, 1, head_dim / 2]` float32,
+    attention: the step's `AttentionLayout`. rope_cos, rope_sin: `[num_tokens, 1, rotary_dim / 2]` float32,
     the rotary table's rows at the step's positions (None for a model that rotates itself).
     """
 
@@ -383,26 +383,82 @@ def fused_add_rms_norm(
 
 
 def rope_cos_sin_cache(
-    head_dim: int,
+    rotary_dim: int,
     max_position: int,
     base: float,
     rope_scaling: dict | None = None,
     dtype: torch.dtype = torch.float32,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Rotary-embedding table `[max_position, head_dim]`: cos in the first half, sin in the second.
+    """Rotary-embedding table `[max_position, rotary_dim]`: cos in the first half, sin in the second.
 
-    rope_scaling: a Hugging Face `rope_scaling` dict or None. Supported `rope_type`s: `default`,
-    `linear` (positions divided by `factor`), `yarn` (`_yarn_inv_freq`) and `llama3` (Llama 3.1's frequency-dependent scaling:
-    wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
-    below `... / high_freq_factor` kept, and smoothly interpolated between). Others raise ValueError.
+    rotary_dim: the rotated width of a head (head_dim, or head_dim x `partial_rotary_factor`).
+    rope_scaling: a Hugging Face `rope_scaling` dict or None; its kinds are `rope_inv_freq`'s. For the
+    two whose angles depend on the sequence's length, `seq_len` picks the table: LongRoPE's long factors
+    when it exceeds `original_max_position_embeddings` (else the short ones), dynamic NTK's base for a
+    sequence of that length (None: `max_position`, the unscaled base).
     """
     # float32 throughout, as transformers computes it, so greedy outputs match it token for token.
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, rope_scaling, max_position, seq_len)
     positions = torch.arange(max_position, dtype=torch.float32)
-    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-    if rope_type == "linear":
+    if rope_kind(rope_scaling) == "linear":
         positions = positions / rope_scaling["factor"]
-    elif rope_type == "llama3":
+    return rope_rows(positions, inv_freq, attention_factor).to(dtype)
+
+
+def rope_rows(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> torch.Tensor:
+    """Rows of a rotary table: positions `[n]` float32, inv_freq `[rotary_dim / 2]` float32 -> `[n,
+    rotary_dim]` float32 (cos of each angle `position * inv_freq`, then sin, both times the
+    attention factor)."""
+    freqs = torch.outer(positions, inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return torch.cat([cos, sin], dim=-1)
+
+
+def rope_kind(rope_scaling: dict | None) -> str:
+    """A `rope_scaling` dict's `rope_type` (or the older `type`); `default` for None."""
+    return (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+
+
+# Rope kinds whose angles depend on the length of the sequence, not only on the position.
+LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+
+
+def rope_inv_freq(
+    rotary_dim: int,
+    base: float,
+    rope_scaling: dict | None,
+    max_position: int,
+    seq_len: int | None = None,
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies `[rotary_dim / 2]` float32, attention factor) of a rope kind, computed as
+    transformers' `ROPE_INIT_FUNCTIONS` do so that tokens match it:
+
+    - `default` and `linear` (whose positions the caller divides by `factor`);
+    - `llama3` (Llama 3.1): wavelengths above `original_max_position_embeddings / low_freq_factor` are
+      divided by `factor`, below `... / high_freq_factor` kept, smoothly interpolated between;
+    - `yarn` (`_yarn_inv_freq`);
+    - `longrope` (Phi-3/4, arXiv:2402.13753): `inv_freq / short_factor` for sequences up to
+      `original_max_position_embeddings` tokens, `/ long_factor` past it (`seq_len`); attention factor
+      `sqrt(1 + ln(factor) / ln(original))`, factor `max_position / original` unless given;
+    - `dynamic` NTK: base x `(factor * seq_len / max_position - (factor - 1)) ** (d / (d - 2))` for a
+      sequence of `seq_len > max_position` tokens, else the base unchanged.
+
+    max_position: the config's `max_position_embeddings`. Raises ValueError for another kind.
+    """
+    rope_type = rope_kind(rope_scaling)
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if rope_type == "dynamic" and seq_len is not None and seq_len > max_position:
+        length = torch.tensor(seq_len)
+        factor = rope_scaling["factor"]
+        # As transformers: the scaled base is a float32 tensor (its arithmetic in float32).
+        base = base * ((factor * length / max_position) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type in ("default", "linear", "dynamic"):
+        return inv_freq, 1.0
+    if rope_type == "llama3":
         factor = rope_scaling["factor"]
         low = rope_scaling.get("low_freq_factor", 1.0)
         high = rope_scaling.get("high_freq_factor", 4.0)
@@ -411,16 +467,24 @@ def rope_cos_sin_cache(
         smooth = (old_len / wavelen - low) / (high - low)
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    elif rope_type == "yarn":
-        inv_freq, attention_factor = _yarn_inv_freq(head_dim, base, rope_scaling, max_position)
-    elif rope_type != "default":
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
-    freqs = torch.outer(positions, inv_freq)
-    cos, sin = freqs.cos(), freqs.sin()
+        return torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
     if rope_type == "yarn":
-        cos, sin = cos * attention_factor, sin * attention_factor
-    return torch.cat([cos, sin], dim=-1).to(dtype)
+        return _yarn_inv_freq(rotary_dim, base, rope_scaling, max_position)
+    if rope_type == "longrope":
+        original = rope_scaling["original_max_position_embeddings"]
+        factor = rope_scaling.get("factor") or max_position / original
+        attention_factor = rope_scaling.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        long = seq_len is not None and seq_len > original
+        ext = torch.tensor(rope_scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if ext.shape != (rotary_dim // 2,):
+            raise ValueError(
+                f"rope_scaling {'long_factor' if long else 'short_factor'} has {ext.numel()} numbers; "
+                f"the rotated width {rotary_dim} needs {rotary_dim // 2}"
+            )
+        return 1.0 / (ext * base**exponents), float(attention_factor)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
 
 
 def _yarn_inv_freq(
@@ -464,7 +528,7 @@ def _yarn_inv_freq(
 
 
 def _rope_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each token's position: `[num_tokens, 1, head_dim / 2]` float32 each."""
+    """cos and sin of each token's position: `[num_tokens, 1, rotary_dim / 2]` float32 each."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     return cos[:, None, :], sin[:, None, :]
 
@@ -477,21 +541,25 @@ def rotary_embedding(
     prepared: PreparedStep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply rotary position embedding (Su et al. 2021) in the GPT-NeoX layout Llama uses: the first and
-    second halves of each head are the rotated pairs.
+    second halves of the rotated width are the rotated pairs.
 
     positions: `[num_tokens]` int64. query: `[num_tokens, num_heads, head_dim]`;
-    key: `[num_tokens, num_kv_heads, head_dim]`. cos_sin_cache: `[max_position, head_dim]` float32
-    (see `rope_cos_sin_cache`). prepared: this step's `prepare_metadata`, whose rotary rows are used
-    (None: looked up here). Returns rotated (query, key) in their dtypes.
+    key: `[num_tokens, num_kv_heads, head_dim]`. cos_sin_cache: `[max_position, rotary_dim]` float32
+    (see `rope_cos_sin_cache`), rotary_dim even and at most head_dim: the first rotary_dim dims of each
+    head are rotated, the rest pass unchanged (`partial_rotary_factor`, as Phi-4-mini). prepared: this
+    step's `prepare_metadata`, whose rotary rows are used (None: looked up here). Returns rotated
+    (query, key) in their dtypes.
     """
     if prepared is None:
         cos, sin = _rope_tables(positions, cos_sin_cache)
     else:
         cos, sin = prepared.rope_cos, prepared.rope_sin
+    rotary_dim = 2 * cos.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)
+        rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        return torch.cat([*rotated, x[..., rotary_dim:].float()], dim=-1).to(x.dtype)
 
     return rotate(query), rotate(key)
 

@@ -23,3 +23,14 @@ def lora_hash_root(digest: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(b"lora\0" + digest.encode())
     return h.digest()
+
+
+def rope_hash_root(parent_hash: bytes | None, rope_key: int) -> bytes:
+    """The parent hash of the first block of a request whose rotary angles depend on its length
+    (`ModelShape.rope_cache_key`), below its adapter's root (`parent_hash`, None for the base model):
+    K/V computed with one table (LongRoPE's short or long factors, dynamic NTK's base for one length)
+    is never reused by a request that computes it with another."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"root")
+    h.update(b"rope\0" + str(rope_key).encode())
+    return h.digest()

@@ -282,11 +282,12 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
 
 // ------------------------------------------------------------------------------------ rotary, SiLU-mul
 
-// GPT-NeoX layout: the first and second halves of each head are the rotated pairs.
+// GPT-NeoX layout: the first and second halves of the rotated width (the table's, at most head_dim) are
+// the rotated pairs; a head's dims past it are copied unchanged (partial rotary).
 template <typename T>
 void rotate_heads(const Tensor& x, const Tensor& out, const int64_t* positions, const float* cos_sin,
                   int64_t table_stride) {
-  const int64_t num_tokens = x.size(0), num_heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
+  const int64_t num_tokens = x.size(0), num_heads = x.size(1), head_dim = x.size(2), half = table_stride / 2;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
@@ -301,6 +302,7 @@ void rotate_heads(const Tensor& x, const Tensor& out, const int64_t* positions, 
           dst[i] = static_cast<T>(x1 * cos[i] - x2 * sin[i]);
           dst[i + half] = static_cast<T>(x2 * cos[i] + x1 * sin[i]);
         }
+        for (int64_t i = 2 * half; i < head_dim; ++i) dst[i] = src[i];
       }
     }
   });
@@ -315,8 +317,9 @@ std::tuple<Tensor, Tensor> rotary_embedding(const Tensor& positions, const Tenso
       positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == query.size(0),
       "positions must be [num_tokens] int64");
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
-                  cos_sin_cache.size(1) == query.size(2) && query.size(2) % 2 == 0,
-              "cos_sin_cache must be [max_position, head_dim] float32");
+                  cos_sin_cache.size(1) <= query.size(2) && cos_sin_cache.size(1) % 2 == 0 &&
+                  cos_sin_cache.size(1) > 0 && key.size(2) == query.size(2),
+              "cos_sin_cache must be [max_position, rotary_dim] float32, rotary_dim even and at most head_dim");
   const Tensor pos = positions.contiguous();
   const Tensor table = cos_sin_cache.contiguous();
   const int64_t max_position = table.size(0);

@@ -118,14 +118,17 @@ def rotary_embedding(
 
     positions: `[num_tokens]` integer. query: `[num_tokens, num_heads, head_dim]`; key:
     `[num_tokens, num_kv_heads, head_dim]` (head_dim contiguous). cos_sin_cache: `[max_position,
-    head_dim]`, cos in the first half, sin in the second (`rope_cos_sin_cache`). prepared: unused (the
-    kernel indexes the table itself).
-    Returns rotated (query, key), contiguous, in their dtypes.
+    rotary_dim]`, cos in the first half, sin in the second (`rope_cos_sin_cache`); the first rotary_dim
+    dims of each head are rotated, the rest copied (partial rotary). prepared: unused (the kernel indexes
+    the table itself).
+    Returns rotated (query, key), contiguous, in their dtypes. Raises ValueError for widths that do
+    not fit (naming them).
     """
-    head_dim = query.shape[-1]
-    if head_dim % 2 or key.shape[-1] != head_dim or cos_sin_cache.shape[-1] != head_dim:
+    head_dim, rotary_dim = query.shape[-1], cos_sin_cache.shape[-1]
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim or key.shape[-1] != head_dim:
         raise ValueError(
-            f"head_dim mismatch: query {head_dim}, key {key.shape[-1]}, cos_sin_cache {cos_sin_cache.shape[-1]}"
+            f"head_dim mismatch: query {head_dim}, key {key.shape[-1]}, cos_sin_cache {rotary_dim} (even, "
+            "at most head_dim)"
         )
     for name, t in (("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
         if t.stride(-1) != 1:
@@ -133,10 +136,13 @@ def rotary_embedding(
     check_device(_rotary_kernel, query)
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if rotary_dim < head_dim:  # the dims past the rotated width pass unchanged
+        q_out[..., rotary_dim:] = query[..., rotary_dim:]
+        k_out[..., rotary_dim:] = key[..., rotary_dim:]
     num_tokens = query.shape[0]
     if num_tokens == 0:
         return q_out, k_out
-    half = head_dim // 2
+    half = rotary_dim // 2
     _rotary_kernel[(num_tokens,)](
         positions,
         query,

@@ -293,9 +293,9 @@ def _draft_runner(
             f"({draft_shape.vocab_size} vs {shape.vocab_size} ids, or other tokens): a draft model must "
             "share the target's tokenizer"
         )
-    if draft_shape.max_position_embeddings < max_model_len:
+    if draft_shape.position_limit < max_model_len:
         raise ValueError(
-            f"--speculative-config model {method.model!r} has {draft_shape.max_position_embeddings} "
+            f"--speculative-config model {method.model!r} has {draft_shape.position_limit} "
             f"positions, fewer than max_model_len {max_model_len}: lower --max-model-len"
         )
     draft = loader.load_model(
@@ -355,9 +355,14 @@ def release_freed_memory() -> None:
 def _max_model_len(flag: int | None, shape: ModelShape | GenericShape) -> int:
     """`--max-model-len` checked against the model's positions, or the model's own limit when not
     given. Raises ValueError naming the flag."""
-    limit = shape.max_position_embeddings
+    limit = shape.position_limit
     if flag is not None and flag > limit:
-        raise ValueError(f"--max-model-len {flag} exceeds the model's max_position_embeddings {limit}")
+        raise ValueError(
+            f"--max-model-len {flag} exceeds the model's {limit} positions (max_position_embeddings "
+            f"{shape.max_position_embeddings}, times the factor of dynamic rope scaling)"
+            if limit != shape.max_position_embeddings
+            else f"--max-model-len {flag} exceeds the model's max_position_embeddings {limit}"
+        )
     return flag or limit
 
 

@@ -94,7 +94,7 @@ class DraftModel:
             rows.append((request.all_token_ids[valid:], valid, request.block_table))
             state.tokens.extend(request.all_token_ids[valid:])
             state.known = len(state.tokens)
-        tokens = self._argmax(rows)
+        tokens = self._argmax(rows, [s.request for s in drafting])
         # Each forward's time, its preparation included, fits the draft's cost (`cost`).
         self.cost.observe(sum(len(row[0]) for row in rows), time.perf_counter() - start)
         for depth in range(max(len(s.spec_token_ids) for s in drafting)):
@@ -110,7 +110,7 @@ class DraftModel:
                 request = drafting[i].request
                 rows.append(([tokens[i]], request.num_tokens + depth, request.block_table))
                 request.draft_state.tokens.append(tokens[i])
-            for i, token in zip(feed, self._argmax(rows), strict=True):
+            for i, token in zip(feed, self._argmax(rows, [drafting[i].request for i in feed]), strict=True):
                 tokens[i] = token
             self.cost.observe(len(rows), time.perf_counter() - start)
         for s in drafting:
@@ -122,6 +122,7 @@ class DraftModel:
     def clear(self) -> None:
         """Nothing kept across requests."""
 
-    def _argmax(self, rows: list[tuple[list[int], int, list[int]]]) -> list[int]:
-        logits = self.runner.forward(pack_rows(rows, self.runner.block_size))
+    def _argmax(self, rows: list[tuple[list[int], int, list[int]]], requests: list[Request]) -> list[int]:
+        rope_floors = [r.rope_length for r in requests] if self.runner.rope_by_length else None
+        logits = self.runner.forward(pack_rows(rows, self.runner.block_size, rope_floors))
         return logits.argmax(dim=-1).tolist()

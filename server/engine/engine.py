@@ -168,6 +168,12 @@ class LLMEngine:
             priority=new.priority,
             lora=new.lora,
         )
+        shape = self.model.shape
+        if shape.rope_by_length:
+            request.rope_length = prompt_len = len(request.prompt_token_ids)
+            request.rope_key = shape.rope_cache_key(prompt_len)
+            after = shape.rope_recompute_after(prompt_len)
+            request.rope_recompute = None if after is None else (after, shape.rope_cache_key(after + 1))
         if request.generator is None:
             request.generator = self.global_generator
         if params.structured_output is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from conveyor.server.block_hash import rope_hash_root
 from conveyor.server.messages import FinishReason, Logprob, SamplingParams
 
 if TYPE_CHECKING:
@@ -62,12 +63,23 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     draft_state: object | None = None
     draft_acceptance: object | None = None
+    # Where the model's rotary angles depend on the sequence's length (LongRoPE, dynamic NTK;
+    # `ModelShape.rope_by_length`): the length every token's angles are chosen by at least (the runner
+    # takes max(rope_length, position + 1); the prompt's length, or the whole sequence's once recomputed),
+    # the prefix cache's key of that table (`ModelShape.rope_cache_key`, None for the table of short
+    # sequences), and (length, key) past which the request's K/V is recomputed with the table of its new
+    # length (LongRoPE past the original context, as transformers' Phi-3 recomputes its cache there).
+    rope_length: int = 0
+    rope_key: int | None = None
+    rope_recompute: tuple[int, int | None] | None = None
 
     @property
     def hash_root(self) -> bytes | None:
         """The parent hash of the request's first KV block: its adapter's (`block_hash.lora_hash_root`),
-        so prefixes are shared only between requests of the same adapter; None for the base model."""
-        return self.lora.hash_root if self.lora is not None else None
+        so prefixes are shared only between requests of the same adapter, and under it its rotary
+        table's (`block_hash.rope_hash_root`); None for the base model with one table."""
+        root = self.lora.hash_root if self.lora is not None else None
+        return root if self.rope_key is None else rope_hash_root(root, self.rope_key)
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:

@@ -152,6 +152,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(request)
 
+    def _recompute_rope_if_grown(self, request: Request) -> None:
+        """Where `request` has grown past the length where its rotary table changes
+        (`Request.rope_recompute`): its blocks go back (those already full stay in the prefix cache
+        under the old table's key) and its whole sequence is computed again with the new table, from
+        this step on; a running request keeps its place in the running batch."""
+        if request.rope_recompute is None or request.num_tokens <= request.rope_recompute[0]:
+            return
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.block_hashes = []
+        request.spec_token_ids = []
+        request.draft_state = None  # a draft model's K/V went with the blocks
+        request.rope_length = request.num_tokens
+        request.rope_key = request.rope_recompute[1]
+        request.rope_recompute = None
+
     @property
     def _chunked(self) -> bool:
         return self.config.enable_chunked_prefill
@@ -175,6 +191,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self._recompute_rope_if_grown(request)
             num_new = request.num_tokens - request.num_computed_tokens
             if not chunked and num_new > budget:
                 i += 1
@@ -210,6 +227,7 @@ class Scheduler:
             if lora is not None and lora.uid not in adapters and len(adapters) >= self.max_loras:
                 position += 1
                 continue
+            self._recompute_rope_if_grown(request)  # preempted after it grew, before it was recomputed
             computed = self.kv_cache.get_computed_blocks(request)
             num_computed = len(computed) * self.kv_cache.block_size
             num_new = request.num_tokens - num_computed

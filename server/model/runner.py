@@ -60,7 +60,9 @@ class ModelInput:
     input_ids, positions: `[num_tokens]` int64; meta: the step's AttentionMetadata; logits_rows:
     `[num_sampling_rows]` int64 indices of the tokens whose logits are sampled (each sampling
     request's last known token, then its draft tokens, if any); lora_indices: `[num_tokens]` int64 LoRA slot of each token (-1: the base
-    model), None when no token has an adapter.
+    model), None when no token has an adapter; rope_lengths: `[num_tokens]` int64, the length each
+    token's rotary angles are chosen by (`LlamaForCausalLM.rotary_table`), for a model whose angles
+    depend on it (`ModelShape.rope_by_length`), else None.
     """
 
     input_ids: torch.Tensor
@@ -68,6 +70,7 @@ class ModelInput:
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     lora_indices: torch.Tensor | None = None
+    rope_lengths: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -105,6 +108,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layer_loop = fused_layer_loop(model, ops, device)
         self.lora: LoRASlots | None = None
+        # Whether steps carry each token's rope length (`ModelInput.rope_lengths`).
+        self.rope_by_length = model.shape.rope_by_length
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRASlots:
         """Give the model `max_loras` adapter slots of rank `max_lora_rank` (`LoRASlots`); steps whose
@@ -160,7 +165,8 @@ class ModelRunner:
             start = request.num_computed_tokens
             known = request.all_token_ids[start : start + sched.num_new_tokens - len(sched.spec_token_ids)]
             rows.append((known + sched.spec_token_ids, start, request.block_table))
-        inputs = pack_rows(rows, self.block_size)
+        rope_floors = [s.request.rope_length for s in scheduled] if self.rope_by_length else None
+        inputs = pack_rows(rows, self.block_size, rope_floors)
         # The last known token and every draft token of each sampling request are sampled.
         ends = inputs.meta.query_start_loc.tolist()[1:]
         inputs.logits_rows = torch.tensor(
@@ -190,6 +196,10 @@ class ModelRunner:
         dev = self.device
         meta = inputs.meta
         positions = inputs.positions.to(dev)
+        table, extra = self.model.cos_sin_cache, {}
+        if inputs.rope_lengths is not None:  # the step's own rotary rows, indexed 0 .. num_tokens - 1
+            table, positions = self.model.rotary_table(positions, inputs.rope_lengths.to(dev))
+            extra = {"cos_sin_cache": table}
         if dev.type != "cpu":
             meta = AttentionMetadata(
                 slot_mapping=meta.slot_mapping.to(dev),
@@ -208,7 +218,7 @@ class ModelRunner:
             hidden = self.layer_loop(
                 self.model.embed(input_ids),
                 positions,
-                self.model.cos_sin_cache,
+                table,
                 self.kv_caches,
                 meta.slot_mapping,
                 meta.block_tables,
@@ -219,10 +229,10 @@ class ModelRunner:
         else:
             # Once per step, for every layer: what the kernels derive from the metadata (this rank's heads).
             prepared = self.ops.prepare_metadata(
-                meta, positions, self.model.cos_sin_cache, self.block_size, self.model.partition.num_kv_heads
+                meta, positions, table, self.block_size, self.model.partition.num_kv_heads
             )
             hidden = self.model(
-                input_ids, positions, self.kv_caches, dataclasses.replace(meta, prepared=prepared)
+                input_ids, positions, self.kv_caches, dataclasses.replace(meta, prepared=prepared), **extra
             )
         if not len(inputs.logits_rows):
             return None
@@ -296,10 +306,13 @@ class ModelRunner:
         self.forward(inputs)
 
 
-def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int) -> ModelInput:
+def pack_rows(
+    rows: list[tuple[list[int], int, list[int]]], block_size: int, rope_floors: list[int] | None = None
+) -> ModelInput:
     """One packed batch of `rows`, each (token ids, the position of the first, the sequence's block table
     of `block_size`-token blocks covering every position written): their K/V go to the slots the tables
-    give, and the logits of each row's last token are computed (`logits_rows`)."""
+    give, and the logits of each row's last token are computed (`logits_rows`). With `rope_floors`
+    (each row's `Request.rope_length`), each token's rope length too: max(floor, position + 1)."""
     input_ids: list[int] = []
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
@@ -324,11 +337,17 @@ def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int) -> 
         max_query_len=max(len(tokens) for tokens, _, _ in rows),
         max_seq_len=max(seq_lens),
     )
+    rope_lengths = None
+    if rope_floors is not None:
+        rope_lengths = torch.from_numpy(
+            np.concatenate([np.maximum(pos + 1, n) for pos, n in zip(positions, rope_floors, strict=True)])
+        )
     return ModelInput(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(positions)),
         meta=meta,
         logits_rows=torch.tensor(query_start_loc[1:], dtype=torch.long) - 1,
+        rope_lengths=rope_lengths,
     )
 
 

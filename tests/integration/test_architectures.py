@@ -76,6 +76,12 @@ def _config(kind: str):
         )
     if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
         return transformers.Phi3Config(**SHAPE, pad_token_id=0)
+    if kind == "phi3-longrope":  # LongRoPE past a 12-token original context, 3/4 of each head rotated
+        return transformers.Phi3Config(**SHAPE, **_longrope(12), pad_token_id=0, partial_rotary_factor=0.75)
+    if kind == "llama-dynamic":  # dynamic NTK: the base grows with sequences past 12 tokens
+        return transformers.LlamaConfig(
+            **{**SHAPE, "max_position_embeddings": 12}, rope_scaling={"rope_type": "dynamic", "factor": 48.0}
+        )
     if kind == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings, head_dim 48
         return transformers.GemmaConfig(**SHAPE, head_dim=48)
     if (
@@ -118,6 +124,35 @@ def _config(kind: str):
     raise ValueError(kind)
 
 
+def _longrope(original: int) -> dict:
+    """Phi3Config arguments of LongRoPE past `original` tokens, for heads of 32 dims rotating 24: short
+    and long factors far apart, so K/V computed with the wrong ones changes the tokens."""
+    return dict(
+        original_max_position_embeddings=original,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(12)],
+            "long_factor": [2.0 + 1.5 * i for i in range(12)],
+            "partial_rotary_factor": 0.75,
+        },
+    )
+
+
+class _FreshModelPerPrompt:
+    """transformers' dynamic NTK keeps the longest length it has seen across `generate` calls: each
+    prompt gets the saved model afresh, as a server's sequences do not share that state."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def generate(self, *args, **kwargs):
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).eval()
+        return model.generate(*args, **kwargs)
+
+
 def _saved_random_model(config, tokenizer, path):
     """transformers' model of `config` with the embedded tokenizer's vocabulary, random weights (seed 0),
     saved with the tokenizer in Hugging Face layout at `path`; returned in eval mode."""
@@ -152,6 +187,8 @@ def tokenizer():
         "qwen3-yarn",
         "granite",
         "phi3",
+        "phi3-longrope",
+        "llama-dynamic",
         "gemma",
         "gemma2",
         "gemma3",
@@ -201,7 +238,10 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, backend,
     )
     assert engine.served_model_name == tmp_path.name
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    assert_greedy_equals_transformers(engine, hf, ids, 10, kind)
+    # With a 12-token original context (LongRoPE, dynamic NTK) the 2-token prompt stays short, the
+    # 5-token one grows past it while decoding, the 37-token one starts past it.
+    reference = _FreshModelPerPrompt(tmp_path) if kind == "llama-dynamic" else hf
+    assert_greedy_equals_transformers(engine, reference, ids, 10, kind)
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
@@ -260,7 +300,10 @@ def test_transformers_implementation_matches_transformers(kind, backend, tokeniz
         )
     assert "model implementation transformers" in caplog.text
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    assert_greedy_equals_transformers(engine, hf, ids, 10, kind)
+    # With a 12-token original context (LongRoPE, dynamic NTK) the 2-token prompt stays short, the
+    # 5-token one grows past it while decoding, the 37-token one starts past it.
+    reference = _FreshModelPerPrompt(tmp_path) if kind == "llama-dynamic" else hf
+    assert_greedy_equals_transformers(engine, reference, ids, 10, kind)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -296,3 +339,38 @@ def test_mixture_of_experts_under_preemption_and_prefix_caching_matches_transfor
     assert_greedy_equals_transformers(engine, hf, ids, 30, f"qwen2_moe top-4 ({backend})")
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv_cache.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_longrope_prefix_cache_keeps_the_short_and_long_tables_apart(backend, tokenizer, tmp_path):
+    """Phi-3 LongRoPE past a 40-token original context, prefix caching on (16-token blocks), one request
+    at a time: a 36-token prompt (short factors) decodes past 40 tokens, where its K/V is computed
+    again with the long factors (as transformers' Phi-3 drops its cache there); a long prompt sharing
+    its first 32 tokens reuses only blocks computed with the long factors, a short one only those with
+    the short factors. Every output equals transformers'."""
+    import transformers
+
+    config = transformers.Phi3Config(**SHAPE, **_longrope(40), pad_token_id=0, partial_rotary_factor=0.75)
+    hf = _saved_random_model(config, tokenizer, tmp_path)
+    engine = build_engine(
+        EngineConfig(
+            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=256),
+            cache=CacheConfig(kv_cache_memory=1 << 24),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32),
+            device=DeviceConfig(device="cpu", attention_backend=backend),
+        )
+    )
+    words = tokenizer("A long prompt " * 40)["input_ids"]
+    short = words[:36]
+    long = words[:32] + tokenizer(" and then some more words to go past the original context")["input_ids"]
+    long = (long + words)[:52]
+    other_short = words[:32] + tokenizer(" the end")["input_ids"]
+    assert len(short) == 36 and len(long) == 52 and len(other_short) < 40
+    cached = {}
+    for name, ids in [("short", short), ("long", long), ("other short", other_short), ("long again", long)]:
+        hits = engine.kv_cache.prefix_cache_hits
+        assert_greedy_equals_transformers(engine, hf, [ids], 10, f"{name} ({backend})")
+        cached[name] = engine.kv_cache.prefix_cache_hits - hits
+    # "long": the short prompt's two first blocks as recomputed with the long factors; "other short":
+    # the same two blocks as first computed, with the short factors; "long again": its own three.
+    assert cached == {"short": 0, "long": 32, "other short": 32, "long again": 48}

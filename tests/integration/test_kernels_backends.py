@@ -605,8 +605,11 @@ def test_fused_add_rms_norm(backend: ModuleType, hidden_size: int, dtype, poison
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS[:3], ids=LAYOUT_IDS[:3])
-def test_rotary_embedding(backend: ModuleType, layout, dtype, poisoned_empty):
+@pytest.mark.parametrize("partial", [1.0, 0.75], ids=["full", "partial"])  # Phi-4-mini rotates 3/4
+def test_rotary_embedding(backend: ModuleType, layout, dtype, partial, poisoned_empty):
+    """The rotated width is the table's: all of head_dim, or its first 3/4 (the rest passes)."""
     num_heads, num_kv_heads, head_dim, _ = layout
+    rotary_dim = int(head_dim * partial)
     scaling = {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -614,7 +617,7 @@ def test_rotary_embedding(backend: ModuleType, layout, dtype, poisoned_empty):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    cache = ref.rope_cos_sin_cache(head_dim, 16384, 500000.0, scaling)
+    cache = ref.rope_cos_sin_cache(rotary_dim, 16384, 500000.0, scaling)
     g = torch.Generator().manual_seed(33)
     positions = torch.tensor([0, 1, 15, 16, 17, 300, 8191, 16383])
     query = torch.randn(len(positions), num_heads, head_dim, generator=g).to(dtype)

@@ -100,13 +100,14 @@ def test_norms_rotary_and_silu(ops, dtype) -> None:
     query = torch.randn(13, 9, 64, generator=g).to(dtype)
     key = torch.randn(13, 3, 64, generator=g).to(dtype)
     positions = torch.randint(0, 4096, (13,), generator=g)
-    table = ref.rope_cos_sin_cache(64, 4096, 10000.0, None)
-    for got, want in zip(
-        ops.rotary_embedding(positions, query, key, table),
-        ref.rotary_embedding(positions, query, key, table),
-        strict=True,
-    ):
-        torch.testing.assert_close(got, want, **tol)
+    for rotary_dim in (64, 48):  # the whole head, and 3/4 of it (partial rotary)
+        table = ref.rope_cos_sin_cache(rotary_dim, 4096, 10000.0, None)
+        for got, want in zip(
+            ops.rotary_embedding(positions, query, key, table),
+            ref.rotary_embedding(positions, query, key, table),
+            strict=True,
+        ):
+            torch.testing.assert_close(got, want, **tol)
     gate_up = torch.randn(13, 2 * 1536 + 2, generator=g).to(dtype)[:, :-2]  # a strided view
     torch.testing.assert_close(ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), **tol)
 

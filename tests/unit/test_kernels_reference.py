@@ -348,10 +348,69 @@ def test_rope_cache_and_rotation_match_transformers(rope_scaling: dict | None):
 
 
 def test_rope_cache_rejects_unknown_scaling():
-    # dynamic NTK and LongRoPE depend on the running sequence's length: no fixed table computes them.
-    for kind in ("dynamic", "longrope"):
-        with pytest.raises(ValueError, match=f"rope_scaling type '{kind}' is not supported"):
-            ref.rope_cos_sin_cache(64, 16, 10000.0, {"rope_type": kind, "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'ntk-by-parts' is not supported"):
+        ref.rope_cos_sin_cache(64, 16, 10000.0, {"rope_type": "ntk-by-parts", "factor": 4.0})
+
+
+@pytest.mark.parametrize("seq_len", [None, 100, 4096, 4097, 20000])
+def test_length_dependent_rope_frequencies_equal_transformers(seq_len):
+    """LongRoPE (short factors up to the original context, long past it; partial rotary) and dynamic
+    NTK (the base scaled for sequences past max_position_embeddings): the inverse frequencies and the
+    attention factor equal transformers' `ROPE_INIT_FUNCTIONS` bit for bit at each length."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, rotary_dim = 64, 48  # partial_rotary_factor 0.75, as Phi-4-mini
+    longrope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(rotary_dim // 2)],
+        "long_factor": [1.5 + 0.5 * i for i in range(rotary_dim // 2)],
+        "partial_rotary_factor": 0.75,
+    }
+    phi3 = transformers.Phi3Config(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75,
+        rope_parameters=longrope,
+    )
+    expected, factor = ROPE_INIT_FUNCTIONS["longrope"](phi3, "cpu", seq_len=seq_len)
+    inv_freq, attention = ref.rope_inv_freq(
+        rotary_dim, 10000.0, {**longrope, "original_max_position_embeddings": 4096}, 131072, seq_len
+    )
+    assert torch.equal(inv_freq, expected) and attention == factor
+    assert attention == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
+    llama = transformers.LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        rope_scaling=dynamic,
+    )
+    length = None if seq_len is None else torch.tensor(seq_len)  # as transformers passes it
+    expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](llama, "cpu", seq_len=length)
+    inv_freq, attention = ref.rope_inv_freq(head_dim, 500000.0, dynamic, 4096, seq_len)
+    assert torch.equal(inv_freq, expected) and attention == 1.0
+    assert ref.rope_cos_sin_cache(head_dim, 8, 500000.0, dynamic, seq_len=seq_len).shape == (8, head_dim)
+
+
+def test_rotary_embedding_rotates_only_the_rotary_width():
+    """A table narrower than the head (partial rotary): the first rotary_dim dims rotate as a head of
+    that width would, the rest pass unchanged."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 3, 64, generator=g), torch.randn(5, 1, 64, generator=g)
+    positions = torch.tensor([0, 3, 7, 8, 30])
+    table = ref.rope_cos_sin_cache(48, 32, 10000.0)
+    rq, rk = ref.rotary_embedding(positions, q, k, table)
+    full_q, full_k = ref.rotary_embedding(
+        positions, q[..., :48].contiguous(), k[..., :48].contiguous(), table
+    )
+    assert torch.equal(rq[..., :48], full_q) and torch.equal(rk[..., :48], full_k)
+    assert torch.equal(rq[..., 48:], q[..., 48:]) and torch.equal(rk[..., 48:], k[..., 48:])
 
 
 def test_rope_cache_layout():

@@ -23,7 +23,13 @@ from torch.nn import functional as F
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels.cpu import DecoderSpec
 from conveyor.kernels.quant import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
-from conveyor.kernels.reference import rope_cos_sin_cache
+from conveyor.kernels.reference import (
+    LENGTH_DEPENDENT_ROPE,
+    rope_cos_sin_cache,
+    rope_inv_freq,
+    rope_kind,
+    rope_rows,
+)
 from conveyor.server.model.parallel import Partition, TensorParallel, partition
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -49,6 +55,8 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    # The rotated width of each head (head_dim x `partial_rotary_factor`; Phi-4-mini rotates 3/4).
+    rotary_dim: int = 0
     # The output projection's bias (Llama and Granite put `attention_bias` on it too; Qwen2 does not).
     o_proj_bias: bool = False
     # Per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3).
@@ -90,6 +98,48 @@ class ModelShape:
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            self.rotary_dim = self.head_dim
+
+    @property
+    def rope_by_length(self) -> bool:
+        """Whether a token's rotary angles depend on its sequence's length, not only on its position
+        (LongRoPE, dynamic NTK): the model runner then gives each token its length (`rope_lengths`)."""
+        return rope_kind(self.rope_scaling) in LENGTH_DEPENDENT_ROPE
+
+    def rope_cache_key(self, length: int) -> int | None:
+        """Which rotary table a sequence of `length` tokens is computed with, where that depends on the
+        length (`rope_by_length`; the prefix cache keeps K/V of different tables apart): LongRoPE's long
+        factors (1) past `original_max_position_embeddings`, dynamic NTK's base for exactly this length
+        past `max_position_embeddings`; None for the table of every shorter sequence, and for other
+        rope kinds."""
+        kind = rope_kind(self.rope_scaling)
+        if kind == "longrope" and length > self.rope_scaling["original_max_position_embeddings"]:
+            return 1
+        if kind == "dynamic" and length > self.max_position_embeddings:
+            return length
+        return None
+
+    def rope_recompute_after(self, prompt_len: int) -> int | None:
+        """The length past which a sequence with a prompt of `prompt_len` tokens has its K/V recomputed
+        with the table of its new length: LongRoPE's `original_max_position_embeddings` for a prompt
+        within it (transformers' Phi-3 drops its cache there, so every token uses the long factors
+        once the sequence is long); None otherwise (dynamic NTK keeps each token's angles, as
+        transformers does)."""
+        if rope_kind(self.rope_scaling) != "longrope":
+            return None
+        original = self.rope_scaling["original_max_position_embeddings"]
+        return original if prompt_len <= original else None
+
+    @property
+    def position_limit(self) -> int:
+        """The longest sequence the model's positions cover: `max_position_embeddings`, times `factor`
+        for dynamic NTK scaling (which stretches the context past it, as vLLM counts it)."""
+        if rope_kind(self.rope_scaling) == "dynamic":
+            return int(self.max_position_embeddings * self.rope_scaling["factor"])
+        return self.max_position_embeddings
+
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
         """Accepts a transformers `PretrainedConfig` of a Llama-like or Gemma model (v4 or v5 rope
@@ -105,11 +155,19 @@ class ModelShape:
             raise ValueError(f"mlp_bias is not supported (model type {kind!r})")
         rope_parameters = getattr(config, "rope_parameters", None) or {}
         partial = rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor {partial} is not supported (model type {kind!r})")
         theta, scaling, local_theta = _rope(config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rotary_dim = int(head_dim * partial)  # as transformers rounds it
+        if rotary_dim % 2 or rotary_dim < 2:
+            raise ValueError(
+                f"partial_rotary_factor {partial} of head_dim {head_dim} rotates {rotary_dim} dims; an even "
+                f"number of at least 2 is needed (model type {kind!r})"
+            )
+        if rope_kind(scaling) in LENGTH_DEPENDENT_ROPE and local_theta is not None:
+            raise ValueError(
+                f"rope_type {rope_kind(scaling)!r} with a local rotary base is not supported (model type {kind!r})"
+            )
         attention_multiplier = None
         if kind == "granite":
             attention_multiplier = float(config.attention_multiplier)
@@ -133,6 +191,7 @@ class ModelShape:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", gemma)),
             # Qwen2 (and Qwen2-MoE) has q/k/v biases; Llama exposes `attention_bias` (q/k/v and o).
             attention_bias=bool(getattr(config, "attention_bias", False)) or kind in ("qwen2", "qwen2_moe"),
+            rotary_dim=rotary_dim,
             o_proj_bias=bool(getattr(config, "attention_bias", False))
             and kind in ("llama", "granite", *GEMMA_TYPES),
             qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
@@ -539,19 +598,23 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer(
-            "cos_sin_cache",
-            rope_cos_sin_cache(
-                shape.head_dim, shape.max_position_embeddings, shape.rope_theta, shape.rope_scaling
-            ),
-            persistent=False,
+        rope = (shape.rotary_dim, shape.max_position_embeddings, shape.rope_theta, shape.rope_scaling)
+        # `[max_position_embeddings, rotary_dim]` float32: every token's angles, or for a rope that
+        # depends on the sequence's length (`rotary_table`) those of sequences within the original
+        # context (LongRoPE's short factors, dynamic NTK's unscaled base).
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(*rope), persistent=False)
+        # LongRoPE's table for sequences past `original_max_position_embeddings` (else None).
+        original = (shape.rope_scaling or {}).get("original_max_position_embeddings", 0)
+        long_table = (
+            rope_cos_sin_cache(*rope, seq_len=original + 1) if rope_kind(rope[3]) == "longrope" else None
         )
+        self.register_buffer("long_cos_sin_cache", long_table, persistent=False)
         # The local layers' rotary table where their base differs (Gemma 3), else None.
         self.register_buffer(
             "local_cos_sin_cache",
             None
             if shape.local_rope_theta is None
-            else rope_cos_sin_cache(shape.head_dim, shape.max_position_embeddings, shape.local_rope_theta),
+            else rope_cos_sin_cache(shape.rotary_dim, shape.max_position_embeddings, shape.local_rope_theta),
             persistent=False,
         )
 
@@ -570,19 +633,55 @@ class LlamaForCausalLM(nn.Module):
             return hidden * torch.tensor(multiplier, dtype=hidden.dtype)
         return hidden * multiplier if multiplier != 1.0 else hidden
 
+    def rotary_table(
+        self, positions: torch.Tensor, rope_lengths: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, index) the step's rotary kernels read: the model's table and the positions, or where
+        the angles depend on the sequence's length (`ModelShape.rope_by_length`) the step's own rows
+        `[num_tokens, rotary_dim]` float32 and their indices `[num_tokens]` (0 .. num_tokens - 1).
+
+        positions: `[num_tokens]` int64. rope_lengths: `[num_tokens]` int64 or None, the length each
+        token's angles are chosen by: max(its prompt's length, its position + 1). transformers picks
+        them by the longest position in its forward pass (`dynamic_rope_update`), which for one
+        sequence generated alone is this: a long prompt's tokens all use the long (or scaled) angles,
+        a decoded token those of its own length, and keys already cached keep theirs.
+        """
+        if rope_lengths is None:
+            return self.cos_sin_cache, positions
+        scaling = self.shape.rope_scaling
+        if rope_kind(scaling) == "longrope":
+            long = rope_lengths > scaling["original_max_position_embeddings"]
+            rows = torch.where(
+                long[:, None], self.long_cos_sin_cache[positions], self.cos_sin_cache[positions]
+            )
+        else:  # dynamic NTK: the base scaled for each length past max_position_embeddings
+            limit = self.shape.max_position_embeddings
+            rows = self.cos_sin_cache[positions.clamp(max=limit - 1)]
+            scaled = rope_lengths > limit
+            if bool(scaled.any()):
+                shape = self.shape
+                for length in rope_lengths[scaled].unique().tolist():
+                    chosen = rope_lengths == length
+                    inv_freq, _ = rope_inv_freq(shape.rotary_dim, shape.rope_theta, scaling, limit, length)
+                    rows[chosen] = rope_rows(positions[chosen].float().cpu(), inv_freq).to(rows.device)
+        return rows, torch.arange(len(positions), device=positions.device)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: `[num_tokens]` int64. Returns hidden states `[num_tokens, hidden_size]`."""
+        """input_ids, positions: `[num_tokens]` int64; cos_sin_cache: the table `positions` index
+        (`rotary_table`; None: the model's). Returns hidden states `[num_tokens, hidden_size]`."""
         hidden = self.embed(input_ids)
         residual = None
         local = self.local_cos_sin_cache
+        main = self.cos_sin_cache if cos_sin_cache is None else cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            table = local if local is not None and layer.self_attn.sliding else self.cos_sin_cache
+            table = local if local is not None and layer.self_attn.sliding else main
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, table)
         hidden, _ = self.norm(hidden, residual)
         return hidden

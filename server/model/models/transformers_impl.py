@@ -46,6 +46,13 @@ class GenericShape:
     head_dim: int
     max_position_embeddings: int
     sliding_window: int | None = None
+    # transformers' model rotates q and k itself, however its rope scaling picks the angles.
+    rope_by_length = False
+
+    @property
+    def position_limit(self) -> int:
+        """The longest sequence the model's positions cover."""
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf_config(cls, config) -> GenericShape:
