@@ -57,6 +57,7 @@ SUPPORTED_MODEL_TYPES = {
     "llama",
     "mistral",
     "mixtral",
+    "olmo2",
     "olmoe",
     "phi3",
     "qwen2",

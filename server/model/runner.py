@@ -355,13 +355,14 @@ def fused_layer_loop(
     model: LlamaForCausalLM, ops: KernelBackend, device: torch.device
 ) -> DecoderLayers | None:
     """The C++ layer loop over `model`'s (packed) weights where it runs: the C++ CPU backend, a CPU
-    device, one rank, and the native decoder (`LlamaForCausalLM`) without experts or q/k norms over all
-    heads. None elsewhere (the model's Python layers run)."""
+    device, one rank, and the native decoder (`LlamaForCausalLM`) without experts, q/k norms over all
+    heads or OLMo 2's norm placement. None elsewhere (the model's Python layers run)."""
     if device.type != "cpu" or ops is not cpu_kernels or model.tp.size != 1:
         return None
     if not isinstance(model, LlamaForCausalLM):  # transformers' own layers (`--model-impl transformers`)
         return None
-    if model.shape.num_experts or model.shape.qk_norm_all_heads:  # features the layer loop lacks
+    shape = model.shape
+    if shape.num_experts or shape.qk_norm_all_heads or shape.post_norms:  # features the layer loop lacks
         return None
     return cpu_kernels.DecoderLayers(model.decoder_spec())
 

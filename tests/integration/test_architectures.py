@@ -119,6 +119,8 @@ def _config(kind: str):
         )
     if kind == "mixtral":  # top-2 of 4 experts of intermediate_size, every layer sliding
         return transformers.MixtralConfig(**SHAPE, **experts, num_local_experts=4, sliding_window=WINDOW)
+    if kind == "olmo2":  # q and k normed over all heads at once; norms after attention and MLP only
+        return transformers.Olmo2Config(**SHAPE)
     if kind == "olmoe":  # q and k normed over all heads at once; top-4
         return transformers.OlmoeConfig(**SHAPE, num_experts=8, num_experts_per_tok=4, norm_topk_prob=False)
     raise ValueError(kind)
@@ -192,6 +194,7 @@ def tokenizer():
         "gemma",
         "gemma2",
         "gemma3",
+        "olmo2",
         "qwen3_moe",
         "qwen2_moe",
         "mixtral",
@@ -217,7 +220,7 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, backend,
         norms += [
             getattr(layer, n, None) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
         ]
-        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(layer, "input_layernorm", None), layer.post_attention_layernorm]  # OLMo 2: none
         for norm in norms:
             if norm is not None:
                 torch.nn.init.normal_(norm.weight, mean=0.5, std=0.5)
@@ -271,16 +274,16 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(monkeypa
         build_engine(config)
 
 
-@pytest.mark.parametrize("kind", ["olmo2", "gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["olmo", "gpt2", "llama"])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_transformers_implementation_matches_transformers(kind, backend, tokenizer, tmp_path, caplog):
     """`--model-impl transformers`: transformers' own model on conveyor's paged KV cache, scheduler and
-    sampler. OLMo 2 (q/k norms over all heads, norms after each block) and GPT-2 (learned absolute
-    positions) have no native code, so `auto` picks transformers for them; Llama is forced."""
+    sampler. OLMo (norms without weights, q/k/v clipped) and GPT-2 (learned absolute positions) have no
+    native code, so `auto` picks transformers for them; Llama is forced."""
     import transformers
 
     configs = {
-        "olmo2": lambda: transformers.Olmo2Config(**SHAPE),
+        "olmo": lambda: transformers.OlmoConfig(**SHAPE, clip_qkv=0.5),
         "gpt2": lambda: transformers.GPT2Config(
             n_embd=128, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2
         ),

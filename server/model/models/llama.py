@@ -84,8 +84,11 @@ class ModelShape:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     local_rope_theta: float | None = None
-    # OLMoE: q and k RMS-normed over the whole projection (all heads at once), not per head.
+    # OLMoE, OLMo 2: q and k RMS-normed over the whole projection (all heads at once), not per head.
     qk_norm_all_heads: bool = False
+    # OLMo 2: no norm before attention or the MLP; each one's output is normed before it joins the
+    # residual stream (`post_attention_layernorm`, `post_feedforward_layernorm`).
+    post_norms: bool = False
     # Mixture of experts (Qwen2/3-MoE, Mixtral, OLMoE): `num_experts` SwiGLU experts of
     # `moe_intermediate_size`, `num_experts_per_tok` chosen per token by a softmax router (the chosen
     # probabilities renormalized to sum to 1 with `norm_topk_prob`), on the layers `moe_layers` marks
@@ -194,8 +197,9 @@ class ModelShape:
             rotary_dim=rotary_dim,
             o_proj_bias=bool(getattr(config, "attention_bias", False))
             and kind in ("llama", "granite", *GEMMA_TYPES),
-            qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
-            qk_norm_all_heads=kind == "olmoe",
+            qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe", "olmo2"),
+            qk_norm_all_heads=kind in ("olmoe", "olmo2"),
+            post_norms=kind == "olmo2",
             embedding_multiplier=config.hidden_size**0.5
             if gemma
             else float(getattr(config, "embedding_multiplier", 1.0)),
@@ -415,7 +419,7 @@ def check_expert_split(shape: ModelShape, size: int, expert_parallel: bool) -> N
         return
     if shape.qk_norm_all_heads:
         raise ValueError(
-            "tensor parallelism of q/k norms over all heads (OLMoE) is not supported: run it with "
+            "tensor parallelism of q/k norms over all heads (OLMoE, OLMo 2) is not supported: run it with "
             "--tensor-parallel-size 1"
         )
     if not shape.num_experts:
@@ -522,7 +526,9 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks on a residual stream carried beside the hidden states (each
     norm adds the residual first, fused). With `sandwich_norms` (Gemma 2/3) the attention output and the
     MLP output are normed too before they join the stream: `post_attention_layernorm` then
-    `pre_feedforward_layernorm` (which adds the residual), and `post_feedforward_layernorm`."""
+    `pre_feedforward_layernorm` (which adds the residual), and `post_feedforward_layernorm`. With
+    `post_norms` (OLMo 2) there is no norm before either block, only those two after them; the stream
+    is then added up before the layer (`hidden + residual`) and handed on the same way."""
 
     def __init__(
         self,
@@ -536,17 +542,25 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         norm = partial(RMSNorm, shape.hidden_size, shape.rms_norm_eps, ops)
-        self.input_layernorm = norm()
+        self.input_layernorm = None if shape.post_norms else norm()
         self.self_attn = LlamaAttention(shape, ops, part, tp, sliding)
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if shape.sandwich_norms else None
-        self.post_feedforward_layernorm = norm() if shape.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if shape.sandwich_norms or shape.post_norms else None
         self.mlp = (
             SparseMoE(shape, ops, part, tp, expert_parallel) if sparse else LlamaMLP(shape, ops, part, tp)
         )
         self.residual_multiplier = shape.residual_multiplier
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
+        if self.input_layernorm is None:  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
+            stream = hidden if residual is None else hidden + residual
+            hidden, _ = self.post_attention_layernorm(
+                self.self_attn(positions, stream, kv_cache, meta, cos_sin_cache)
+            )
+            stream = stream + hidden
+            hidden, _ = self.post_feedforward_layernorm(self.mlp(stream))
+            return hidden, stream
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
         if self.pre_feedforward_layernorm is not None:
@@ -908,8 +922,10 @@ class LlamaForCausalLM(nn.Module):
                 gate, up = gate_up()
                 set_linear(layer.mlp, "gate_up_proj", [rows(gate, *mlp_rows), rows(up, *mlp_rows)])
                 set_linear(layer.mlp, "down_proj", [cols(get(p + "mlp.down_proj.weight"), *mlp_rows)])
-            norm(layer.input_layernorm, p + "input_layernorm.weight")
+            if layer.input_layernorm is not None:
+                norm(layer.input_layernorm, p + "input_layernorm.weight")
             norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
             if layer.pre_feedforward_layernorm is not None:
                 norm(layer.pre_feedforward_layernorm, p + "pre_feedforward_layernorm.weight")
+            if layer.post_feedforward_layernorm is not None:
                 norm(layer.post_feedforward_layernorm, p + "post_feedforward_layernorm.weight")
