@@ -339,6 +339,33 @@ HF_CONFIGS: dict[str, dict] = {
         "pad_token_id": 0,
         "torch_dtype": "bfloat16",
     },
+    "gemma-3-27b": {  # the language model of google/gemma-3-27b-it (its vision tower is not served)
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 62,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 168,
+        "sliding_window": 1024,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)],
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": [1, 106],
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    },
     "qwen3-30b-a3b": {
         **_QWEN3,
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -450,6 +477,7 @@ HUB_IDS: dict[str, str] = {
     "gemma-2-9b": "google/gemma-2-9b-it",
     "phi-4": "microsoft/phi-4",
     "gemma-3-270m": "google/gemma-3-270m-it",
+    "gemma-3-27b": "google/gemma-3-27b-it",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-Instruct-v0.1",
@@ -476,6 +504,7 @@ NUM_PARAMS: dict[str, int] = {
     "gemma-2-9b": 9_241_705_984,
     "phi-4": 14_659_507_200,
     "gemma-3-270m": 268_098_176,
+    "gemma-3-27b": 27_009_346_304,  # the language model: the checkpoint's 27.4 B include its vision tower
     "smollm2-135m": 134_515_008,
     "qwen3-30b-a3b": 30_532_122_624,  # every expert counts: 3.3 B are active per token
     "mixtral-8x7b": 46_702_792_704,
@@ -512,7 +541,7 @@ MODEL_ALIASES: dict[str, str] = {
     "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
 }
 
-_MODEL_SUFFIXES = ("-instruct", "-chat", "-hf")
+_MODEL_SUFFIXES = ("-instruct", "-chat", "-hf", "-it")
 
 
 def normalize_model_name(name: str) -> str:
