@@ -39,7 +39,7 @@ from conveyor.server.capacity import (
     plan_capacity,
 )
 from conveyor.server.cli import add_model_flags
-from conveyor.server.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
+from conveyor.server.config import NATIVE_MODEL_TYPES, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 
 # Catalog models are stored in bfloat16, so `auto` plans with 2-byte weights and KV.
 AUTO_DTYPE = "bfloat16"
@@ -86,6 +86,28 @@ class TensorParallelSizeError(ValueError):
     (the server would refuse to start, or leave GPUs idle while planned for their memory)."""
 
 
+class UnsupportedArchitectureError(ValueError):
+    """The server would refuse the model's architecture at start: `--model-impl native` for a model
+    type only transformers' implementation runs."""
+
+
+def check_architecture(spec: InferenceServiceSpec, model_impl: str) -> None:
+    """Refuse, before any pod starts, what `conveyor serve --model-impl model_impl` would refuse of the
+    spec's model where the catalog knows its `model_type` (the server's rule: `--model-impl native` runs
+    `NATIVE_MODEL_TYPES` only). A model outside the catalog is checked by the server as it starts.
+    Raises UnsupportedArchitectureError naming the model type."""
+    known = lookup_model(spec.model.name) or (lookup_model(spec.model.uri) if spec.model.uri else None)
+    if known is None or model_impl != "native":
+        return
+    kind = hf_config(known.name)["model_type"]
+    if kind not in NATIVE_MODEL_TYPES:
+        raise UnsupportedArchitectureError(
+            f"{known.name}: model type {kind!r} is not supported natively (--model-impl native runs "
+            f"{', '.join(sorted(NATIVE_MODEL_TYPES))}); --model-impl auto or transformers runs "
+            "transformers' implementation of it"
+        )
+
+
 #: Errors that make a spec impossible to plan; the operator reports them as status conditions.
 PlanningError = (
     UnknownModelError,
@@ -93,6 +115,7 @@ PlanningError = (
     InsufficientGPUMemoryError,
     MaxModelLenTooLongError,
     TensorParallelSizeError,
+    UnsupportedArchitectureError,
 )
 
 

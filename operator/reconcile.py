@@ -20,7 +20,7 @@ from conveyor.operator.children import Children
 from conveyor.operator.cluster import INFERENCE_POOL, SCALED_OBJECT, SERVICE_MONITOR, ApplyError, ClusterAPI
 from conveyor.operator.events import Event, transitions
 from conveyor.operator.memo import OperatorSettings
-from conveyor.operator.plan import PlanningError, SpecPlan, plan_for_spec
+from conveyor.operator.plan import PlanningError, SpecPlan, check_architecture, plan_for_spec
 from conveyor.operator.render import Owner, render_all, router_name, server_args
 from conveyor.operator.spec import (
     DNS1035_LABEL,
@@ -41,7 +41,7 @@ from conveyor.operator.status import (
     make_condition,
     with_conditions,
 )
-from conveyor.server.cli import ServeArgsError
+from conveyor.server.cli import ServeArgsError, parse_serve_argv
 
 # Condition reasons for specs that cannot be planned, by exception class name.
 FAILURE_REASONS = {
@@ -51,6 +51,7 @@ FAILURE_REASONS = {
     "UnknownGPUTypeError": "UnknownGPUType",
     "MaxModelLenTooLongError": "MaxModelLenTooLong",
     "TensorParallelSizeError": "InvalidTensorParallelSize",
+    "UnsupportedArchitectureError": "UnsupportedArchitecture",
 }
 
 
@@ -95,7 +96,8 @@ def parse(body: dict[str, Any], server_image: str) -> Resource:
         else:
             spec = parse_spec(body.get("spec") or {}, server_image)
             planned = plan_for_spec(spec)
-            server_args(spec, planned)  # what the pods would start with, checked as the server will
+            args = server_args(spec, planned)  # what the pods would start with, checked as the server will
+            check_architecture(spec, parse_serve_argv(args[1:]).engine.model.model_impl)
             plan = planned
     except ValidationError as exc:
         failure = ("InvalidSpec", validation_message(exc))

@@ -22,6 +22,28 @@ class _Config(BaseModel):
 Quantization = Literal["gguf", "int8", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"] | None
 
 
+# The `model_type`s conveyor's own decoder runs (`--model-impl native`; `auto` picks it for them).
+NATIVE_MODEL_TYPES = frozenset(
+    {
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "granite",
+        "llama",
+        "mistral",
+        "mixtral",
+        "olmo2",
+        "olmoe",
+        "phi3",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+    }
+)
+
+
 class ModelConfig(_Config):
     """Which model to load and how."""
 

