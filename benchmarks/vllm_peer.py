@@ -12,6 +12,7 @@ kernels on CPUs without AVX-512).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -91,9 +92,13 @@ def vllm_model_dir(source: Path, cache: Path = DEFAULT_VENV.parent / "vllm-model
     same weights. The converted copy stores a tied embedding once, as `lm_head.weight` (transformers'
     `save_pretrained` drops the other name); vLLM reads the input embedding from
     `model.embed_tokens.weight` and, not finding it, would run with an uninitialised one. The copy
-    names it so and leaves `lm_head.weight` out (vLLM ties it back). Made once under `cache`."""
+    names it so and leaves `lm_head.weight` out (vLLM ties it back). A config converted from a GGUF
+    file names no `architectures`, from which vLLM picks its model class (for `gemma3_text` it would
+    pick an embedding model): the copy's names transformers' causal language model of the model type.
+    Made once under `cache`."""
     dest = cache / source.name
     if (dest / "model.safetensors").exists():
+        _name_architecture(dest / "config.json")
         return dest
     tmp = cache / f".{source.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -104,9 +109,23 @@ def vllm_model_dir(source: Path, cache: Path = DEFAULT_VENV.parent / "vllm-model
     if "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:
         weights["model.embed_tokens.weight"] = weights.pop("lm_head.weight")
     save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    _name_architecture(tmp / "config.json")
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
+
+
+def _name_architecture(config_path: Path) -> None:
+    """Write transformers' causal-LM class of the config's model type as its `architectures` where it
+    names none."""
+    config = json.loads(config_path.read_text())
+    if config.get("architectures"):
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(config["model_type"]))]
+    config["architectures"] = [model_class.__name__]
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def vllm_env(threads: int) -> dict[str, str]:
