@@ -164,6 +164,9 @@ class EngineLimits:
     max_loras: int = 0
     # Speculative decoding: the most draft tokens per sequence and step (0: off).
     num_speculative_tokens: int = 0
+    # Where every layer attends to the last `sliding_window` positions only, the KV cache gives back a
+    # sequence's blocks that fell out of that window (`KVCacheManager`); None: every block is kept.
+    sliding_window: int | None = None
 
 
 @dataclass

@@ -196,6 +196,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             *_experts(model),
             max_loras=config.lora.max_loras if lora is not None else 0,
             num_speculative_tokens=drafter.num_speculative_tokens if drafter is not None else 0,
+            sliding_window=_kv_sliding_window(model.shape, draft_runner is not None),
         )
         release_freed_memory()
         return LLMEngine(
@@ -350,6 +351,13 @@ def release_freed_memory() -> None:
     which would otherwise stay in the resident set. Does nothing where libc has no `malloc_trim`."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _kv_sliding_window(shape: ModelShape | GenericShape, draft_model: bool) -> int | None:
+    """The window the KV cache may give blocks back behind: the model's, where every layer slides (a
+    native decoder; transformers' own model and a draft model, which reads the same blocks, keep all)."""
+    sliding = getattr(shape, "sliding_layers", ())
+    return shape.sliding_window if sliding and all(sliding) and not draft_model else None
 
 
 def _max_model_len(flag: int | None, shape: ModelShape | GenericShape) -> int:

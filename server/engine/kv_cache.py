@@ -5,6 +5,11 @@ SOSP 2023; automatic prefix caching): fixed-size blocks, a block table per reque
 so identical full prompt blocks are shared, a block identified by hash(parent block hash, its token
 ids), and free blocks reused least-recently-freed first so cached content survives as long as possible.
 
+With a sliding window on every layer (Mistral v0.1, Mixtral), a request's blocks that lie wholly before
+the window of its next token are given back as it grows, so a sequence holds about its window, not its
+length (vLLM's sliding-window manager, `remove_skipped_blocks`). Their block-table entries stay, as
+`SKIPPED_BLOCK`, which no kernel reads: attention skips the blocks before a window.
+
 While event recording is on, every change to the set of cached block hashes is recorded as a
 `KVCacheEvent` (vLLM's KV events: BlockStored / BlockRemoved / AllBlocksCleared), so a router can
 track which prefix blocks a replica holds; `snapshot()` gives the set itself to start from.
@@ -19,21 +24,34 @@ from conveyor.server.block_hash import hash_block
 from conveyor.server.engine.request import Request
 from conveyor.server.messages import KVCacheEvent, KVCacheSnapshot, PrefixCacheStats
 
+# The block id left in a block table for a block given back (any id in range: it is never read).
+SKIPPED_BLOCK = 0
+
 
 class KVCacheManager:
     """Allocates KV cache blocks to requests.
 
-    num_blocks: blocks in the pool; block_size: tokens per block. A request's blocks are
-    `request.block_table`; only this class changes it. Pending KV events are written only by this
+    num_blocks: blocks in the pool; block_size: tokens per block; sliding_window: the positions every
+    layer attends to (None: all of them). A request's blocks are `request.block_table` (its first
+    `request.num_skipped_blocks` given back); only this class changes them. Pending KV events are written only by this
     class and drained by one consumer (`take_events`); they are recorded only while
     `set_event_recording(True)` is in force, so nobody pays for them when nobody listens.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -146,6 +164,8 @@ class KVCacheManager:
         the request's `num_computed_tokens` must already count them. Returns False, changing nothing,
         when the pool cannot supply the blocks.
         """
+        if self.sliding_window is not None and request.block_table:
+            self._skip_blocks_before_window(request)
         total_tokens = request.num_computed_tokens + num_new_tokens
         blocks_needed = -(-total_tokens // self.block_size)
         num_new_blocks = blocks_needed - len(request.block_table) - len(computed_blocks)
@@ -186,7 +206,7 @@ class KVCacheManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         self._update_block_hashes(request, num_full * self.block_size)
-        for i in range(num_full):
+        for i in range(request.num_skipped_blocks, num_full):
             block_id = request.block_table[i]
             if self.block_hash[block_id] is not None:
                 continue
@@ -200,11 +220,27 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks. Tail blocks go first into the free list, so they are evicted
         before the prefix blocks other requests are likelier to share."""
-        for block_id in reversed(request.block_table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
+        for block_id in reversed(request.block_table[request.num_skipped_blocks :]):
+            self._release(block_id)
         request.block_table = []
+        request.num_skipped_blocks = 0
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free_blocks[block_id] = None
+
+    def _skip_blocks_before_window(self, request: Request) -> None:
+        """Give back the request's blocks wholly before the window of its next token: that token, at
+        position `num_computed_tokens`, and every later one attend to positions from
+        `num_computed_tokens - sliding_window + 1` on. A block in the prefix cache stays there (free and
+        evictable), as any freed block does."""
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        skipped = min(max(0, first_needed) // self.block_size, len(request.block_table))
+        for i in range(request.num_skipped_blocks, skipped):
+            self._release(request.block_table[i])
+            request.block_table[i] = SKIPPED_BLOCK
+        request.num_skipped_blocks = max(request.num_skipped_blocks, skipped)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (blocks in use keep their content)."""

@@ -39,8 +39,11 @@ class Request:
     num_computed_tokens: int = 0
     # Prompt tokens found in the prefix cache when the request was first scheduled.
     num_cached_tokens: int = 0
-    # KV cache block ids, owned by the KV cache manager.
+    # KV cache block ids, owned by the KV cache manager. The first `num_skipped_blocks` fell out of a
+    # sliding window every layer has and were given back (`KVCacheManager`); their entries stay, as
+    # `SKIPPED_BLOCK`, so each position keeps its index.
     block_table: list[int] = field(default_factory=list)
+    num_skipped_blocks: int = 0
     # Hashes of this request's full blocks (prefix caching), extended as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: FinishReason | None = None

@@ -377,3 +377,36 @@ def test_longrope_prefix_cache_keeps_the_short_and_long_tables_apart(backend, to
     # "long": the short prompt's two first blocks as recomputed with the long factors; "other short":
     # the same two blocks as first computed, with the short factors; "long again": its own three.
     assert cached == {"short": 0, "long": 32, "other short": 32, "long again": 48}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_window_on_every_layer_gives_blocks_back_and_tokens_stay_equal(backend, tokenizer, tmp_path):
+    """Mistral with a 16-token window on every layer, 16-token blocks: a 37-token prompt decoding 60
+    tokens holds at most three blocks at a time (the window's two and the one being written) while its
+    sequence grows to seven, and its greedy tokens equal transformers'."""
+    import transformers
+
+    from conveyor.server.messages import SamplingParams
+
+    hf = _saved_random_model(transformers.MistralConfig(**SHAPE, sliding_window=WINDOW), tokenizer, tmp_path)
+    engine = build_engine(
+        EngineConfig(
+            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512),
+            cache=CacheConfig(kv_cache_memory=1 << 24),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32),
+            device=DeviceConfig(device="cpu", attention_backend=backend),
+        )
+    )
+    assert engine.kv_cache.sliding_window == WINDOW
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    request = engine.add_request(engine.make_request("a", ids, params))
+    ours, held = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ours += out.new_token_ids
+        held.append(len(request.block_table) - request.num_skipped_blocks)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    assert ours == ref[0, len(ids) :].tolist()
+    assert max(held[2:]) <= 3 and -(-(len(ids) + 60) // 16) == 7

@@ -206,3 +206,56 @@ def test_prefix_cache_queries_count_only_the_first_admission():
     assert admit(kv, r)
     assert len(r.block_table) == 3  # the cached blocks are still reused
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10, 0)
+
+
+def _step(kv: KVCacheManager, request: Request, new_tokens: list[int]) -> None:
+    """One decode step of `request`: its next token's slot, then the token counted as computed."""
+    assert kv.allocate_slots(request, 1, [])
+    request.num_computed_tokens += 1
+    kv.cache_full_blocks(request)
+    request.append_output_tokens(new_tokens)
+
+
+def test_a_sliding_window_on_every_layer_bounds_the_blocks_a_growing_sequence_holds():
+    """Window 20, 4-token blocks: the next token reads positions from `computed - 19` on, so a sequence
+    holds at most ceil(20 / 4) + 1 blocks however long it grows; positions keep their block-table index
+    (given-back entries are SKIPPED_BLOCK), and freeing returns exactly the blocks still held."""
+    from conveyor.server.engine.kv_cache import SKIPPED_BLOCK
+
+    kv = KVCacheManager(num_blocks=12, block_size=4, sliding_window=20)
+    r = make_request("a", list(range(10)))
+    assert admit(kv, r)
+    held = []
+    for token in range(200):
+        _step(kv, r, [1000 + token])
+        live = r.block_table[r.num_skipped_blocks :]
+        held.append(len(live))
+        assert len(r.block_table) == -(-r.num_computed_tokens // 4) or len(r.block_table) == -(
+            -(r.num_computed_tokens + 1) // 4
+        )
+        assert all(b == SKIPPED_BLOCK for b in r.block_table[: r.num_skipped_blocks])
+        assert kv.num_free_blocks == 12 - len(live)
+    assert max(held) <= 6 and r.num_skipped_blocks > 40  # 210 tokens in 12 blocks of 4
+    kv.free(r)
+    assert kv.num_free_blocks == 12 and r.block_table == [] and r.num_skipped_blocks == 0
+    assert all(count == 0 for count in kv.ref_counts)
+
+
+def test_blocks_given_back_behind_a_window_stay_in_the_prefix_cache_and_shared_ones_stay_held():
+    """Two requests share a cached 8-token prefix; one grows past its window and gives its share back
+    (the other still holds the blocks); a third request with the same prefix still hits them."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=6)
+    prefix = list(range(8))
+    a, b = make_request("a", prefix + [50]), make_request("b", prefix + [60])
+    assert admit(kv, a) and admit(kv, b)
+    shared = a.block_table[:2]
+    assert b.block_table[:2] == shared and all(kv.ref_counts[x] == 2 for x in shared)
+    for token in range(8):
+        _step(kv, a, [100 + token])
+    assert a.num_skipped_blocks >= 2 and all(kv.ref_counts[x] == 1 for x in shared)
+    kv.free(b)
+    assert all(kv.ref_counts[x] == 0 for x in shared)
+    c = make_request("c", prefix + [70])
+    assert kv.get_computed_blocks(c) == shared
+    kv.free(a)
+    assert kv.num_free_blocks == 16
