@@ -263,9 +263,13 @@ def paged_attention(
     flash-attention kernel for CPU per sequence. On a 2-core AVX512_BF16 EPYC, 9 query heads over 3 KV
     heads of head_dim 64, causal, one sequence: 3.8 ms a layer at 1,024 tokens against torch's 10.0
     (320 against 120 GFLOP/s), 61.7 ms at 4,096 against 121.0 (313 against 160). With a sliding window or a soft cap they run the
-    reference's `prefill_attention`, which gathers no block before the chunk's first window.
+    reference's `prefill_attention`, which gathers no block before the chunk's first window; a window at
+    least `max_seq_len` long cuts nothing and is dropped first (Gemma 3's 512-token local layers on
+    shorter sequences take the fast kernels).
     """
     check_window_and_soft_cap(sliding_window, logits_soft_cap)
+    if sliding_window is not None and sliding_window >= max_seq_len:
+        sliding_window = None
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     options = (scale, sliding_window, logits_soft_cap)
     if max_query_len == 1:
@@ -495,8 +499,9 @@ class DecoderLayers:
         self.norm_weights = [w.detach() for w in spec.norm_weights]
         self.qk_norm_weights = [w.detach() for w in spec.qk_norm_weights]
         # Masked and soft-capped prefill attention is the reference's; the C++ loop runs such models'
-        # steps whose rows all go through the decode kernel (decodes, draft tokens, short chunks).
-        self.decode_only = any(spec.sliding_windows) or spec.logits_soft_cap is not None
+        # steps whose rows all go through the decode kernel (decodes, draft tokens, short chunks), and
+        # with windows but no soft cap the steps whose sequences are all within the narrowest window.
+        self.min_window = min((w for w in spec.sliding_windows if w), default=None)
         # Row counts where some layer changes kernel: the steps between two of them share one list.
         self._bounds = sorted(
             {first for m in spec.linears if isinstance(m, SelectedLinear) for first, _ in m.dispatch.ranges}
@@ -505,10 +510,15 @@ class DecoderLayers:
         self._parts: dict[int, tuple[list, list, list, list]] = {}
         self._linears_for(1)  # a layer the loop cannot call is refused here, not at the first step
 
-    def runs(self, max_query_len: int) -> bool:
-        """True when a step whose longest query has `max_query_len` rows runs here (else the Python
-        layers run it)."""
-        return max_query_len <= MAX_DECODE_KERNEL_QUERY_LEN or not self.decode_only
+    def runs(self, max_query_len: int, max_seq_len: int) -> bool:
+        """True when a step whose longest query has `max_query_len` rows and longest sequence
+        `max_seq_len` tokens runs here (else the Python layers run it): a window at least that long
+        cuts nothing."""
+        if max_query_len <= MAX_DECODE_KERNEL_QUERY_LEN:
+            return True
+        if self.spec.logits_soft_cap is not None:
+            return False
+        return self.min_window is None or max_seq_len <= self.min_window
 
     def _linears_for(self, rows: int) -> tuple[list, list, list, list]:
         """(weights, biases, kinds, out_features) of every linear layer for a step of `rows` rows."""

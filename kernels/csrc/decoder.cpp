@@ -201,9 +201,13 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
   const int64_t head_dim = key_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const StepLayout layout = step_layout(query_start_loc, seq_lens, block_tables);
-  const bool windows = std::any_of(sliding_windows.begin(), sliding_windows.end(), [](int64_t w) { return w > 0; });
+  // A window no sequence of the step reaches cuts nothing: a row at position p < max_len <= W sees 0..p.
+  const int64_t max_len = seq_lens.numel() ? seq_lens.max().item<int64_t>() : 0;
+  auto cuts = [max_len](int64_t w) { return w > 0 && w < max_len; };
+  const bool windows = std::any_of(sliding_windows.begin(), sliding_windows.end(), cuts);
   TORCH_CHECK(layout.prefill_seqs.empty() || (!windows && !logits_soft_cap.has_value()),
-              "a step with prefill rows of a model with sliding windows or soft caps runs the Python layers");
+              "a step with prefill rows of a model with sliding windows (shorter than the step's longest "
+              "sequence) or soft caps runs the Python layers");
   const Tensor tables = block_tables.contiguous();
   const bool lora = !lora_a.empty() && lora_indices.has_value() && lora_indices->defined();
   auto proj = [&](const Tensor& x, int64_t i) {
@@ -245,7 +249,7 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
     std::tie(q, k) = conveyor::cpu::rotary_embedding(positions, q, k, local ? *local_cos_sin_cache : cos_sin_cache);
     conveyor::cpu::reshape_and_cache(k, v, key_caches[l], value_caches[l], slot_mapping);
     const Tensor attn = at::empty(q.sizes(), q.options());
-    const std::optional<int64_t> layer_window = window > 0 ? std::optional<int64_t>(window) : std::nullopt;
+    const std::optional<int64_t> layer_window = cuts(window) ? std::optional<int64_t>(window) : std::nullopt;
     if (layout.all_decode) {
       conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens,
                                             std::nullopt, std::nullopt, scale, layer_window, logits_soft_cap);

@@ -213,7 +213,7 @@ class ModelRunner:
         lora_indices = None if inputs.lora_indices is None else inputs.lora_indices.to(dev)
         if self.lora is not None:
             self.lora.context.indices = lora_indices
-        if self.layer_loop is not None and self.layer_loop.runs(meta.max_query_len):  # reads the metadata
+        if self.layer_loop is not None and self.layer_loop.runs(meta.max_query_len, meta.max_seq_len):
             lora = None if lora_indices is None else (*self.lora.loop_arguments(), lora_indices)
             hidden = self.layer_loop(
                 self.model.embed(input_ids),

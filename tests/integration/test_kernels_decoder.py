@@ -120,6 +120,9 @@ FAMILIES = {
         "local_rope_theta": 1000.0,
     },
 }
+# Gemma 3 with a window longer than every step's sequences (its 512 tokens on short prompts): the
+# window cuts nothing, so the loop runs its prefill steps too.
+FAMILIES["gemma3-wide-window"] = {**FAMILIES["gemma3"], "sliding_window": 64}
 
 
 def _model(dtype: torch.dtype, linears: str, family: str = "llama") -> LlamaForCausalLM:
@@ -203,13 +206,16 @@ def test_layer_loop_equals_the_python_layers_of_every_family(family: str, dtype:
     )
     ids, positions, meta = step()
     loop = fused_layer_loop(model, cpu, torch.device("cpu"))
-    decode_only = model.shape.sliding_window is not None or model.shape.attn_logit_softcap is not None
+    window = model.shape.sliding_window
+    decode_only = (
+        window is not None and window < meta.max_seq_len
+    ) or model.shape.attn_logit_softcap is not None
     if step is _long_prefill_step and decode_only:
-        assert not loop.runs(meta.max_query_len)
+        assert not loop.runs(meta.max_query_len, meta.max_seq_len)
         with torch.inference_mode(), pytest.raises(RuntimeError, match="runs the Python layers"):
             _fused_forward(loop, model, ids, positions, _caches(model, dtype), meta)
         return
-    assert loop.runs(meta.max_query_len)
+    assert loop.runs(meta.max_query_len, meta.max_seq_len)
     python_caches, fused_caches = _caches(model, dtype), _caches(model, dtype)
     with torch.inference_mode():
         expected = model(ids, positions, python_caches, meta)
