@@ -155,6 +155,19 @@ class _FreshModelPerPrompt:
         return model.generate(*args, **kwargs)
 
 
+def _engine(path, backend: str, max_model_len: int = 512, **model):
+    """The engine on the model saved at `path` in float32, the `backend` kernels, 32-token steps (chunked
+    prefill bites), a 16 MiB KV cache; `model`: more ModelConfig fields."""
+    return build_engine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), dtype="float32", max_model_len=max_model_len, **model),
+            cache=CacheConfig(kv_cache_memory=1 << 24),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32),
+            device=DeviceConfig(device="cpu", attention_backend=backend),
+        )
+    )
+
+
 def _saved_random_model(config, tokenizer, path):
     """transformers' model of `config` with the embedded tokenizer's vocabulary, random weights (seed 0),
     saved with the tokenizer in Hugging Face layout at `path`; returned in eval mode."""
@@ -231,14 +244,7 @@ def test_random_model_from_a_local_directory_matches_transformers(kind, backend,
         hf.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
 
-    engine = build_engine(
-        EngineConfig(
-            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512),
-            cache=CacheConfig(kv_cache_memory=1 << 24),
-            scheduler=SchedulerConfig(max_num_batched_tokens=32),
-            device=DeviceConfig(device="cpu", attention_backend=backend),
-        )
-    )
+    engine = _engine(tmp_path, backend)
     assert engine.served_model_name == tmp_path.name
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     # With a 12-token original context (LongRoPE, dynamic NTK) the 2-token prompt stays short, the
@@ -293,14 +299,7 @@ def test_transformers_implementation_matches_transformers(kind, backend, tokeniz
     hf = _saved_random_model(config, tokenizer, tmp_path)
     impl = "transformers" if kind == "llama" else "auto"
     with caplog.at_level("INFO", logger="conveyor.server.engine.builder"):
-        engine = build_engine(
-            EngineConfig(
-                model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512, model_impl=impl),
-                cache=CacheConfig(kv_cache_memory=1 << 24),
-                scheduler=SchedulerConfig(max_num_batched_tokens=32),
-                device=DeviceConfig(device="cpu", attention_backend=backend),
-            )
-        )
+        engine = _engine(tmp_path, backend, model_impl=impl)
     assert "model implementation transformers" in caplog.text
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     # With a 12-token original context (LongRoPE, dynamic NTK) the 2-token prompt stays short, the
@@ -355,14 +354,7 @@ def test_longrope_prefix_cache_keeps_the_short_and_long_tables_apart(backend, to
 
     config = transformers.Phi3Config(**SHAPE, **_longrope(40), pad_token_id=0, partial_rotary_factor=0.75)
     hf = _saved_random_model(config, tokenizer, tmp_path)
-    engine = build_engine(
-        EngineConfig(
-            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=256),
-            cache=CacheConfig(kv_cache_memory=1 << 24),
-            scheduler=SchedulerConfig(max_num_batched_tokens=32),
-            device=DeviceConfig(device="cpu", attention_backend=backend),
-        )
-    )
+    engine = _engine(tmp_path, backend, max_model_len=256)
     words = tokenizer("A long prompt " * 40)["input_ids"]
     short = words[:36]
     long = words[:32] + tokenizer(" and then some more words to go past the original context")["input_ids"]
@@ -389,14 +381,7 @@ def test_a_window_on_every_layer_gives_blocks_back_and_tokens_stay_equal(backend
     from conveyor.server.messages import SamplingParams
 
     hf = _saved_random_model(transformers.MistralConfig(**SHAPE, sliding_window=WINDOW), tokenizer, tmp_path)
-    engine = build_engine(
-        EngineConfig(
-            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=512),
-            cache=CacheConfig(kv_cache_memory=1 << 24),
-            scheduler=SchedulerConfig(max_num_batched_tokens=32),
-            device=DeviceConfig(device="cpu", attention_backend=backend),
-        )
-    )
+    engine = _engine(tmp_path, backend)
     assert engine.kv_cache.sliding_window == WINDOW
     ids = tokenizer(PROMPTS[2])["input_ids"]
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
