@@ -225,10 +225,17 @@ def _save_weights(source: ModelSource, directory: Path) -> None:
 
 
 def load_config(source: ModelSource):
-    """The transformers config (a multimodal Gemma 3's language model's)."""
+    """The transformers config (a multimodal Gemma 3's language model's). Raises ValueError for a config
+    transformers' own validation refuses (e.g. LongRoPE factors of the wrong length), with its reason."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    try:
+        config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    except StrictDataclassError as exc:  # not a ValueError: it would end `conveyor serve` in a traceback
+        raise ValueError(
+            f"{source.path}: transformers refuses its config: {' '.join(str(exc).split())}"
+        ) from None
     if config.model_type == "gemma3":  # the multimodal checkpoint: its language model only
         logger.info("gemma3: serving the language model (text only); the vision tower is not loaded")
         config = config.text_config

@@ -264,6 +264,24 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path / "gpt2"), model_impl="native")))
 
 
+def test_a_config_transformers_refuses_is_a_clear_error(tmp_path):
+    """LongRoPE factors of the wrong length (5 where the rotated width needs 12): transformers' config
+    validation refuses them, and the server says so as a ValueError (one line from `conveyor serve`)."""
+    import json
+
+    import transformers
+
+    config = transformers.Phi3Config(**SHAPE, **_longrope(12))
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    written["rope_parameters"]["short_factor"] = [1.0] * 5
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    with pytest.raises(
+        ValueError, match="transformers refuses its config: .*short_factor field must have length"
+    ):
+        build_engine(EngineConfig(model=ModelConfig(model=str(tmp_path))))
+
+
 def test_missing_model_path_is_a_clear_error():
     from conveyor.server.model.loader import ModelNotFoundError
 
