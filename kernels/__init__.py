@@ -47,7 +47,9 @@ class AttentionMetadata:
     max_seq_len: Python ints. prepared: what the kernel backend derives from these once per step
     (`KernelBackend.prepare_metadata`: host-side splits, gather indices, masks, rotary tables), passed
     back to its kernels by every layer, as vLLM's attention-metadata builders do; None makes each kernel
-    call derive what it needs itself.
+    call derive what it needs itself. window: where a model's sliding layers keep their K/V in blocks
+    of their own (`KVCacheManager`'s window pool), their slot mapping and block tables (the same
+    sequences and lengths), which those layers read instead; None: every layer reads these.
     """
 
     slot_mapping: torch.Tensor
@@ -57,6 +59,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     prepared: Any = None
+    window: AttentionMetadata | None = None
 
 
 class KernelBackend(Protocol):

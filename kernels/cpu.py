@@ -534,14 +534,12 @@ class DecoderLayers:
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        seq_lens: torch.Tensor,
+        meta: AttentionMetadata,
         lora: tuple[list[torch.Tensor], list[torch.Tensor], list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden: `[num_tokens, hidden_size]` embedded tokens -> the final norm's output, same shape and
-        dtype. Metadata as `conveyor.kernels.AttentionMetadata`. lora: (lora_a, lora_b, slot ranks,
+        dtype. meta: the step's `AttentionMetadata` (its `window`, if any, for the sliding layers' own
+        blocks; `prepared` unused). lora: (lora_a, lora_b, slot ranks,
         indices) of the step's adapters: per layer the slots of q/k/v, o, gate/up and down (`add_lora`'s
         layouts), every projection's slot ranks one after another (0: not adapted), and each token's slot
         (-1: the base model); None when no token has an adapter."""
@@ -561,10 +559,12 @@ class DecoderLayers:
             out_features,
             [k for k, _ in kv_caches],
             [v for _, v in kv_caches],
-            slot_mapping,
-            block_tables,
-            query_start_loc,
-            seq_lens,
+            meta.slot_mapping,
+            meta.block_tables,
+            None if meta.window is None else meta.window.slot_mapping,
+            None if meta.window is None else meta.window.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
             spec.num_heads,
             spec.num_kv_heads,
             spec.eps,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
+from conveyor.server.capacity import sliding_layers
+
 MiB = 2**20
 GiB = 2**30
 
@@ -76,6 +78,9 @@ class ModelShape:
     # Mixture of experts: experts per sparse layer and chosen per token (0 for a dense model).
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    # Layers that attend to the last `sliding_window` tokens only (0 and None: none).
+    num_sliding_layers: int = 0
+    sliding_window: int | None = None
 
 
 # Total memory from `nvidia-smi --query-gpu=memory.total` (MiB); product labels from GPU feature
@@ -284,6 +289,7 @@ HF_CONFIGS: dict[str, dict] = {
         "rope_theta": 10000.0,
         "query_pre_attn_scalar": 256,
         "sliding_window": 4096,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(42)],
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
         "tie_word_embeddings": True,
@@ -514,6 +520,7 @@ NUM_PARAMS: dict[str, int] = {
 
 def _shape_from_hf_config(name: str, config: dict) -> ModelShape:
     heads = config["num_attention_heads"]
+    window, sliding = sliding_layers(config)
     return ModelShape(
         name=name,
         num_layers=config["num_hidden_layers"],
@@ -526,6 +533,8 @@ def _shape_from_hf_config(name: str, config: dict) -> ModelShape:
         hidden_size=config["hidden_size"],
         num_experts=config.get("num_experts") or config.get("num_local_experts") or 0,
         num_experts_per_tok=config.get("num_experts_per_tok", 0),
+        num_sliding_layers=sum(sliding),
+        sliding_window=window,
     )
 
 
@@ -623,6 +632,8 @@ def resolve_model_shape(
             num_params=num_params,  # type: ignore[arg-type]
             max_position_embeddings=None,
         )
+    if num_layers not in (None, known.num_layers):  # which layers slide is unknown then: none counted
+        known = replace(known, num_sliding_layers=0, sliding_window=None)
     return replace(
         known,
         num_layers=num_layers or known.num_layers,

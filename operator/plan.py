@@ -39,7 +39,14 @@ from conveyor.server.capacity import (
     plan_capacity,
 )
 from conveyor.server.cli import add_model_flags
-from conveyor.server.config import NATIVE_MODEL_TYPES, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
+from conveyor.server.config import (
+    NATIVE_MODEL_TYPES,
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 # Catalog models are stored in bfloat16, so `auto` plans with 2-byte weights and KV.
 AUTO_DTYPE = "bfloat16"
@@ -228,6 +235,10 @@ def plan_for_spec(spec: InferenceServiceSpec) -> SpecPlan:
         activation_reserve_bytes=reserve,
         block_size=spec.engine.block_size,
         draft_kv_bytes_per_token=draft_kv_bytes_per_token,
+        num_sliding_layers=shape.num_sliding_layers,
+        sliding_window=shape.sliding_window,
+        max_num_batched_tokens=spec.engine.max_num_batched_tokens
+        or SchedulerConfig.model_fields["max_num_batched_tokens"].default,
     )
     if capacity.max_num_seqs < 1:
         one_sequence = capacity.kv_bytes_per_token * spec.tensor_parallel_size * model.max_model_len
@@ -349,7 +360,25 @@ def format_plan(plan: SpecPlan) -> str:
             f"{cap.kv_bytes_per_token:,} per GPU, "
             f"{cap.kv_bytes_per_token * plan.tensor_parallel_size:,} per replica",
         ),
-        ("kv blocks", f"{cap.num_kv_blocks:,} of {cap.block_size} tokens"),
+        (
+            "kv blocks",
+            f"{cap.num_kv_blocks:,} of {cap.block_size} tokens"
+            + (" for the global layers" if cap.num_window_blocks else ""),
+        ),
+        *(
+            [
+                (
+                    "sliding layers",
+                    f"{shape.num_sliding_layers} of {shape.num_layers} attend to the last {cap.sliding_window:,} "
+                    "tokens: they count their window, not max_model_len"
+                    + (
+                        f", in {cap.num_window_blocks:,} blocks of their own" if cap.num_window_blocks else ""
+                    ),
+                )
+            ]
+            if cap.sliding_window
+            else []
+        ),
         ("max_model_len", f"{cap.max_model_len:,} tokens"),
         ("max concurrency", f"{cap.max_concurrency:.2f} sequences of max_model_len tokens"),
         ("max_num_seqs", f"{plan.max_num_seqs}"),

@@ -104,11 +104,14 @@ def capacity_message(plan: SpecPlan) -> str:
     """The arithmetic behind `max_num_seqs`, for the CapacityPlanned condition and the event."""
     cap = plan.capacity
     per_replica = cap.kv_bytes_per_token * plan.tensor_parallel_size
+    window = (
+        f", sliding layers counting their {cap.sliding_window}-token window" if cap.sliding_window else ""
+    )
     message = (
         f"max_num_seqs {cap.max_num_seqs}: KV pool {cap.kv_pool_bytes / GiB:.2f} GiB "
         f"({plan.num_gpus} x {plan.gpu_memory_bytes / GiB:.2f} GiB x {plan.gpu_memory_utilization} "
         f"- {plan.weight_bytes / GiB:.2f} GiB weights - {plan.activation_reserve_bytes / GiB:.2f} GiB "
-        f"reserve) / ({per_replica} bytes/token x {cap.max_model_len} tokens)"
+        f"reserve) / ({per_replica} bytes/token x {cap.max_model_len} tokens{window})"
     )
     if plan.max_num_seqs != cap.max_num_seqs:
         message += f"; engine.maxNumSeqs overrides it with {plan.max_num_seqs}"

@@ -164,9 +164,11 @@ class EngineLimits:
     max_loras: int = 0
     # Speculative decoding: the most draft tokens per sequence and step (0: off).
     num_speculative_tokens: int = 0
-    # Where every layer attends to the last `sliding_window` positions only, the KV cache gives back a
+    # Where layers attend to the last `sliding_window` positions only, the KV cache gives back a
     # sequence's blocks that fell out of that window (`KVCacheManager`); None: every block is kept.
+    # With only some layers sliding, theirs is a pool of its own of `num_window_blocks` (else 0).
     sliding_window: int | None = None
+    num_window_blocks: int = 0
 
 
 @dataclass

@@ -164,7 +164,9 @@ Tensor gated_activation(const Tensor& gate_up, int64_t activation) {
 // with 4 the pre- and post-feedforward norms (sandwich norms); the last one is the final norm.
 // qk_norm_weights: [2l] q's and [2l + 1] k's per-head norm, or none. linears[4l + 0..3]: q/k/v, o,
 // gate/up, down. sliding_windows[l]: the tokens layer l attends to, 0 for the whole sequence; such a
-// layer rotates with local_cos_sin_cache where one is given. logits_soft_cap: attention scores become
+// layer rotates with local_cos_sin_cache where one is given,
+// and writes and reads its K/V through window_slot_mapping and window_block_tables where they are given
+// (the sliding layers' own blocks). logits_soft_cap: attention scores become
 // cap * tanh(s / cap). residual_multiplier scales each branch before it joins the residual stream
 // (without sandwich norms). activation: kSilu or kGeluTanh. lora_a, lora_b: per layer the LoRA slots of
 // q/k/v, o, gate/up and down (`4 * num_layers`, lora.cpp's layouts), or none; lora_ranks: each of their
@@ -180,7 +182,8 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
                       const c10::List<std::optional<Tensor>>& linear_biases, at::IntArrayRef linear_kinds,
                       at::IntArrayRef linear_out_features, at::TensorList key_caches,
                       at::TensorList value_caches, const Tensor& slot_mapping, const Tensor& block_tables,
-                      const Tensor& query_start_loc, const Tensor& seq_lens, int64_t num_heads,
+                      const std::optional<Tensor>& window_slot_mapping,
+                      const std::optional<Tensor>& window_block_tables, const Tensor& query_start_loc, const Tensor& seq_lens, int64_t num_heads,
                       int64_t num_kv_heads, double eps, double scale, at::IntArrayRef sliding_windows,
                       std::optional<double> logits_soft_cap, double residual_multiplier, int64_t activation,
                       at::TensorList lora_a, at::TensorList lora_b, at::IntArrayRef lora_ranks,
@@ -200,7 +203,13 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
   const int64_t num_tokens = hidden.size(0);
   const int64_t head_dim = key_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // Sliding layers whose K/V has blocks of its own read them through the window tables.
+  const bool own_window_blocks = window_slot_mapping.has_value() && window_slot_mapping->defined();
+  TORCH_CHECK(own_window_blocks == (window_block_tables.has_value() && window_block_tables->defined()),
+              "window_slot_mapping and window_block_tables come together");
   const StepLayout layout = step_layout(query_start_loc, seq_lens, block_tables);
+  const StepLayout window_layout =
+      own_window_blocks ? step_layout(query_start_loc, seq_lens, *window_block_tables) : StepLayout();
   // A window no sequence of the step reaches cuts nothing: a row at position p < max_len <= W sees 0..p.
   const int64_t max_len = seq_lens.numel() ? seq_lens.max().item<int64_t>() : 0;
   auto cuts = [max_len](int64_t w) { return w > 0 && w < max_len; };
@@ -208,7 +217,8 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
   TORCH_CHECK(layout.prefill_seqs.empty() || (!windows && !logits_soft_cap.has_value()),
               "a step with prefill rows of a model with sliding windows (shorter than the step's longest "
               "sequence) or soft caps runs the Python layers");
-  const Tensor tables = block_tables.contiguous();
+  const Tensor full_tables = block_tables.contiguous();
+  const Tensor window_tables = own_window_blocks ? window_block_tables->contiguous() : full_tables;
   const bool lora = !lora_a.empty() && lora_indices.has_value() && lora_indices->defined();
   auto proj = [&](const Tensor& x, int64_t i) {
     Tensor y = linear(x, linear_weights[i], linear_biases.get(i), linear_kinds[i], linear_out_features[i]);
@@ -247,19 +257,22 @@ Tensor decoder_layers(const Tensor& hidden, const Tensor& positions, const Tenso
     const int64_t window = sliding_windows[l];
     const bool local = window > 0 && local_cos_sin_cache.has_value() && local_cos_sin_cache->defined();
     std::tie(q, k) = conveyor::cpu::rotary_embedding(positions, q, k, local ? *local_cos_sin_cache : cos_sin_cache);
-    conveyor::cpu::reshape_and_cache(k, v, key_caches[l], value_caches[l], slot_mapping);
+    const bool own = window > 0 && own_window_blocks;
+    const StepLayout& lay = own ? window_layout : layout;
+    const Tensor& tables = own ? window_tables : full_tables;
+    conveyor::cpu::reshape_and_cache(k, v, key_caches[l], value_caches[l], own ? *window_slot_mapping : slot_mapping);
     const Tensor attn = at::empty(q.sizes(), q.options());
     const std::optional<int64_t> layer_window = cuts(window) ? std::optional<int64_t>(window) : std::nullopt;
-    if (layout.all_decode) {
+    if (lay.all_decode) {
       conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens,
                                             std::nullopt, std::nullopt, scale, layer_window, logits_soft_cap);
     } else {
-      if (layout.decode_rows.numel() > 0) {
-        conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], layout.decode_tables,
-                                              layout.decode_lens, layout.decode_ids, layout.decode_rows, scale,
+      if (lay.decode_rows.numel() > 0) {
+        conveyor::cpu::paged_decode_attention(attn, q, key_caches[l], value_caches[l], lay.decode_tables,
+                                              lay.decode_lens, lay.decode_ids, lay.decode_rows, scale,
                                               layer_window, logits_soft_cap);
       }
-      prefill_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens, layout, scale);
+      prefill_attention(attn, q, key_caches[l], value_caches[l], tables, seq_lens, lay, scale);
     }
     Tensor o = proj(attn.view({num_tokens, q_size}), 4 * l + 1);
     if (npl == 4) {  // Gemma 2/3: the branch is normed before it joins, and the MLP's output too
@@ -289,7 +302,8 @@ TORCH_LIBRARY(conveyor_decoder, m) {
       "decoder_layers(Tensor hidden, Tensor positions, Tensor cos_sin_cache, Tensor? local_cos_sin_cache, "
       "Tensor[] norm_weights, int norms_per_layer, Tensor[] qk_norm_weights, Tensor[] linear_weights, "
       "Tensor?[] linear_biases, int[] linear_kinds, int[] linear_out_features, Tensor(a!)[] key_caches, "
-      "Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
+      "Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_tables, Tensor? window_slot_mapping, "
+      "Tensor? window_block_tables, Tensor query_start_loc, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, int[] sliding_windows, "
       "float? logits_soft_cap, float residual_multiplier, int activation, Tensor[] lora_a, Tensor[] lora_b, "
       "int[] lora_ranks, Tensor? lora_indices) -> Tensor",

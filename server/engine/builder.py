@@ -152,7 +152,24 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             pool_bytes = runner.profile_kv_pool_bytes(sc.max_num_batched_tokens, cc.gpu_memory_utilization)
         else:
             pool_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
-        num_blocks = capacity.num_kv_blocks_for_pool(pool_bytes, kv_bytes_per_token, cc.block_size)
+        window, num_sliding = _kv_window_layers(model.shape, draft_runner is not None)
+        num_window_blocks = None  # the sliding layers' own pool, where only some layers slide
+        if num_sliding and num_sliding < shape.num_layers:
+            window_bytes = capacity.kv_bytes_per_token(
+                num_sliding, shape.num_kv_heads, shape.head_dim, dtype_name, ranks
+            )
+            split = (pool_bytes, kv_bytes_per_token - window_bytes, window_bytes, cc.block_size, window)
+            fits = capacity.max_num_seqs_for_split_pool(*split, max_model_len, sc.max_num_batched_tokens)
+            max_num_seqs = sc.max_num_seqs or fits
+            num_blocks, num_window_blocks = capacity.split_kv_pool(
+                *split, max_num_seqs, sc.max_num_batched_tokens
+            )
+        else:
+            num_blocks = capacity.num_kv_blocks_for_pool(pool_bytes, kv_bytes_per_token, cc.block_size)
+            fits = capacity.max_num_seqs_for_blocks(
+                num_blocks, cc.block_size, max_model_len, window, sc.max_num_batched_tokens
+            )
+            max_num_seqs = sc.max_num_seqs or fits
         pool_tokens = num_blocks * cc.block_size
         if pool_tokens < max_model_len:
             raise ValueError(
@@ -160,8 +177,6 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
                 f"bytes/token), fewer than max_model_len {max_model_len}: raise --kv-cache-memory "
                 f"(or --gpu-memory-utilization) or lower --max-model-len"
             )
-        fits = capacity.max_num_seqs_for_blocks(num_blocks, cc.block_size, max_model_len)
-        max_num_seqs = sc.max_num_seqs or fits
         if max_num_seqs > fits:
             logger.warning(
                 "--max-num-seqs %d is more than the %d sequences of max_model_len %d the KV cache holds; "
@@ -171,18 +186,22 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
                 max_model_len,
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %d bytes/token%s); maximum concurrency at "
-            "max_model_len %d: %.2fx; max_num_seqs %d",
+            "KV cache: %d blocks of %d tokens%s (%.2f GiB, %d bytes/token%s); %d sequences of "
+            "max_model_len %d fit; max_num_seqs %d",
             num_blocks,
             cc.block_size,
+            f" for the global layers, {num_window_blocks} for the {num_sliding} sliding layers "
+            f"(window {window})"
+            if num_window_blocks is not None
+            else (f", given back behind every layer's window of {window}" if window else ""),
             pool_bytes / GiB,
             kv_bytes_per_token,
             f": {kv_parts[0]} the model's + {kv_parts[1]} the draft model's" if draft_runner else "",
+            fits,
             max_model_len,
-            pool_tokens / max_model_len,
             max_num_seqs,
         )
-        runner.allocate_kv_cache(num_blocks)
+        runner.allocate_kv_cache(num_blocks, num_window_blocks)
         drafter = _drafter(config, runner, draft_runner, num_blocks)
         limits = EngineLimits(
             cc.block_size,
@@ -196,7 +215,8 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
             *_experts(model),
             max_loras=config.lora.max_loras if lora is not None else 0,
             num_speculative_tokens=drafter.num_speculative_tokens if drafter is not None else 0,
-            sliding_window=_kv_sliding_window(model.shape, draft_runner is not None),
+            sliding_window=window,
+            num_window_blocks=num_window_blocks or 0,
         )
         release_freed_memory()
         return LLMEngine(
@@ -353,11 +373,14 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _kv_sliding_window(shape: ModelShape | GenericShape, draft_model: bool) -> int | None:
-    """The window the KV cache may give blocks back behind: the model's, where every layer slides (a
-    native decoder; transformers' own model and a draft model, which reads the same blocks, keep all)."""
+def _kv_window_layers(shape: ModelShape | GenericShape, draft_model: bool) -> tuple[int | None, int]:
+    """(the window the KV cache gives blocks back behind, how many layers slide): the model's, for a
+    native decoder with sliding layers; (None, 0) otherwise (transformers' own model, and a draft model,
+    which reads the same blocks, keep all)."""
     sliding = getattr(shape, "sliding_layers", ())
-    return shape.sliding_window if sliding and all(sliding) and not draft_model else None
+    if not any(sliding) or draft_model:
+        return None, 0
+    return shape.sliding_window, sum(sliding)
 
 
 def _max_model_len(flag: int | None, shape: ModelShape | GenericShape) -> int:

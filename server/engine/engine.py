@@ -84,7 +84,11 @@ class LLMEngine:
         self.max_model_len = limits.max_model_len
         self.num_kv_blocks = limits.num_kv_blocks
         self.kv_cache = KVCacheManager(
-            limits.num_kv_blocks, limits.block_size, config.cache.enable_prefix_caching, limits.sliding_window
+            limits.num_kv_blocks,
+            limits.block_size,
+            config.cache.enable_prefix_caching,
+            limits.sliding_window,
+            limits.num_window_blocks or None,
         )
         self.scheduler = make_scheduler(
             config.scheduler, self.kv_cache, limits.max_num_seqs, limits.max_loras

@@ -10,6 +10,13 @@ the window of its next token are given back as it grows, so a sequence holds abo
 length (vLLM's sliding-window manager, `remove_skipped_blocks`). Their block-table entries stay, as
 `SKIPPED_BLOCK`, which no kernel reads: attention skips the blocks before a window.
 
+Where only some layers slide (Gemma 2/3: sliding layers between global ones), those layers keep their
+K/V in a pool of their own (`num_window_blocks` blocks, `Request.window_block_table`), managed as above,
+while the global layers keep every block: a sequence costs its length in the global layers and about
+its window in the sliding ones, as vLLM's hybrid KV cache manager has it (there one pool serves groups
+of layers; here each kind has its pool, sized by `capacity.split_kv_pool`). A prefix-cache hit then
+needs the global layers' blocks of the prefix and the sliding layers' blocks of its last window.
+
 While event recording is on, every change to the set of cached block hashes is recorded as a
 `KVCacheEvent` (vLLM's KV events: BlockStored / BlockRemoved / AllBlocksCleared), so a router can
 track which prefix blocks a replica holds; `snapshot()` gives the set itself to start from.
@@ -31,11 +38,16 @@ SKIPPED_BLOCK = 0
 class KVCacheManager:
     """Allocates KV cache blocks to requests.
 
-    num_blocks: blocks in the pool; block_size: tokens per block; sliding_window: the positions every
-    layer attends to (None: all of them). A request's blocks are `request.block_table` (its first
-    `request.num_skipped_blocks` given back); only this class changes them. Pending KV events are written only by this
+    num_blocks: blocks in the pool; block_size: tokens per block; sliding_window: the positions the
+    sliding layers attend to (None: no layer slides); num_window_blocks: where only some layers slide, the
+    blocks of their own pool (None: every layer slides, or none does, and all share `num_blocks`). A
+    request's blocks are `request.block_table` (its first `request.num_skipped_blocks` given back; with
+    `num_window_blocks`, the global layers' blocks, none given back) and `request.window_block_table`;
+    only this class changes them. Pending KV events (of `block_table`'s pool) are written only by this
     class and drained by one consumer (`take_events`); they are recorded only while
     `set_event_recording(True)` is in force, so nobody pays for them when nobody listens.
+
+    Raises ValueError for an empty pool, a window below 1, or `num_window_blocks` without a window.
     """
 
     def __init__(
@@ -44,14 +56,30 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        num_window_blocks: int | None = None,
+        *,
+        _window_table: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if num_window_blocks is not None and sliding_window is None:
+            raise ValueError("num_window_blocks is the sliding layers' pool: it needs a sliding_window")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # The sliding layers' own pool (a KVCacheManager over `request.window_block_table`), if any;
+        # this one then serves the global layers and gives nothing back.
+        self.window: KVCacheManager | None = None
+        if num_window_blocks is not None:
+            self.window = KVCacheManager(
+                num_window_blocks, block_size, enable_prefix_caching, sliding_window, _window_table=True
+            )
+            sliding_window = None
         self.sliding_window = sliding_window
+        self._is_window = _window_table
+        self._table_field = "window_block_table" if _window_table else "block_table"
+        self._skipped_field = "num_skipped_window_blocks" if _window_table else "num_skipped_blocks"
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -81,8 +109,16 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (0-1); cached blocks nobody holds count as free."""
-        return (self.num_blocks - len(self.free_blocks)) / self.num_blocks
+        """Fraction of blocks held by requests (0-1); cached blocks nobody holds count as free. With the
+        sliding layers' own pool, the fuller of the two (the one that preempts first)."""
+        used = (self.num_blocks - len(self.free_blocks)) / self.num_blocks
+        return used if self.window is None else max(used, self.window.usage)
+
+    def _table(self, request: Request) -> list[int]:
+        return getattr(request, self._table_field)
+
+    def _skipped(self, request: Request) -> int:
+        return getattr(request, self._skipped_field)
 
     # -- KV events --------------------------------------------------------------------------------------
 
@@ -155,38 +191,77 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.window is not None:  # and the sliding layers' blocks of the prefix's last window
+            while hits and self.window._window_hits(request, len(hits)) is None:
+                hits.pop()
         return hits
+
+    def _window_hits(self, request: Request, num_blocks: int) -> tuple[int, list[int]] | None:
+        """For a prefix of `num_blocks` full blocks found cached: (the blocks before its next token's
+        window, this pool's cached blocks from there to the prefix's end), or None when one is missing.
+        Needs `request.block_hashes` to cover the prefix."""
+        first = max(0, num_blocks * self.block_size - self.sliding_window + 1) // self.block_size
+        hits = [self.cached_blocks.get(h) for h in request.block_hashes[first:num_blocks]]
+        return None if None in hits else (first, hits)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int]) -> bool:
         """Give the request blocks for `computed_blocks` plus `num_new_tokens` more tokens.
 
         `computed_blocks` (from get_computed_blocks, only for a request holding no blocks) are shared;
-        the request's `num_computed_tokens` must already count them. Returns False, changing nothing,
-        when the pool cannot supply the blocks.
+        the request's `num_computed_tokens` must already count them. Returns False, changing nothing
+        but blocks that fell out of the window, when a pool cannot supply the blocks.
         """
-        if self.sliding_window is not None and request.block_table:
+        window = self.window
+        first, window_computed = 0, []
+        if window is not None and computed_blocks:
+            first, window_computed = window._window_hits(request, len(computed_blocks))
+        num_new = self._num_new_blocks(request, num_new_tokens, computed_blocks)
+        if num_new is None:
+            return False
+        if window is not None:
+            num_window_new = window._num_new_blocks(request, num_new_tokens, window_computed, first)
+            if num_window_new is None:
+                return False
+            window._take(request, window_computed, num_window_new, first)
+        self._take(request, computed_blocks, num_new)
+        return True
+
+    def _num_new_blocks(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int], num_skipped: int = 0
+    ) -> int | None:
+        """The free blocks `_take` needs to hold `computed_blocks` (after `num_skipped` blocks wholly
+        before the window) and `num_new_tokens` more tokens, or None when the free list lacks them.
+        Blocks that fell out of the window are given back first."""
+        if self.sliding_window is not None and self._table(request):
             self._skip_blocks_before_window(request)
         total_tokens = request.num_computed_tokens + num_new_tokens
         blocks_needed = -(-total_tokens // self.block_size)
-        num_new_blocks = blocks_needed - len(request.block_table) - len(computed_blocks)
+        num_new = max(0, blocks_needed - len(self._table(request)) - num_skipped - len(computed_blocks))
         # Cached blocks nobody holds are in the free list: reusing them takes them out of it.
         num_reused_free = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
-        if num_new_blocks + num_reused_free > len(self.free_blocks):
-            return False
+        return num_new if num_new + num_reused_free <= len(self.free_blocks) else None
+
+    def _take(self, request: Request, computed_blocks: list[int], num_new: int, num_skipped: int = 0) -> None:
+        """Hold `computed_blocks` (after `num_skipped` entries left as `SKIPPED_BLOCK`) and take
+        `num_new` blocks off the free list."""
+        table = self._table(request)
         # Count a request's first admission only: after a recompute preemption the block table is empty
         # again, and its own blocks, still cached, would count as hits (vLLM keeps those apart too).
-        if self.enable_prefix_caching and not request.block_table and request.num_preemptions == 0:
+        if self.enable_prefix_caching and not table and request.num_preemptions == 0 and not self._is_window:
             hits = len(computed_blocks) * self.block_size
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += hits
             self._step_prefix_stats.queries += request.num_tokens
             self._step_prefix_stats.hits += hits
+        if num_skipped:
+            table.extend([SKIPPED_BLOCK] * num_skipped)
+            setattr(request, self._skipped_field, num_skipped)
         for block_id in computed_blocks:
             if self.ref_counts[block_id] == 0:
                 del self.free_blocks[block_id]
             self.ref_counts[block_id] += 1
-            request.block_table.append(block_id)
-        for _ in range(max(0, num_new_blocks)):
+            table.append(block_id)
+        for _ in range(num_new):
             block_id, _ = self.free_blocks.popitem(last=False)
             old_hash = self.block_hash[block_id]
             if old_hash is not None:
@@ -197,17 +272,25 @@ class KVCacheManager:
                         self._record("evicted", old_hash)
                 self.block_hash[block_id] = None
             self.ref_counts[block_id] = 1
-            request.block_table.append(block_id)
-        return True
+            table.append(block_id)
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        """After a step: register the request's blocks that are now full of computed tokens in the
+        prefix cache, then give back those that fell out of the window (so a request that waits holds
+        its window only)."""
+        if self.window is not None:
+            self.window.cache_full_blocks(request)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request)
+        if self.sliding_window is not None and self._table(request):
+            self._skip_blocks_before_window(request)
+
+    def _cache_full_blocks(self, request: Request) -> None:
         num_full = request.num_computed_tokens // self.block_size
         self._update_block_hashes(request, num_full * self.block_size)
-        for i in range(request.num_skipped_blocks, num_full):
-            block_id = request.block_table[i]
+        table = self._table(request)
+        for i in range(self._skipped(request), num_full):
+            block_id = table[i]
             if self.block_hash[block_id] is not None:
                 continue
             block_hash = request.block_hashes[i]
@@ -220,10 +303,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks. Tail blocks go first into the free list, so they are evicted
         before the prefix blocks other requests are likelier to share."""
-        for block_id in reversed(request.block_table[request.num_skipped_blocks :]):
+        for block_id in reversed(self._table(request)[self._skipped(request) :]):
             self._release(block_id)
-        request.block_table = []
-        request.num_skipped_blocks = 0
+        setattr(request, self._table_field, [])
+        setattr(request, self._skipped_field, 0)
+        if self.window is not None:
+            self.window.free(request)
 
     def _release(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1
@@ -235,12 +320,14 @@ class KVCacheManager:
         position `num_computed_tokens`, and every later one attend to positions from
         `num_computed_tokens - sliding_window + 1` on. A block in the prefix cache stays there (free and
         evictable), as any freed block does."""
+        table = self._table(request)
         first_needed = request.num_computed_tokens - self.sliding_window + 1
-        skipped = min(max(0, first_needed) // self.block_size, len(request.block_table))
-        for i in range(request.num_skipped_blocks, skipped):
-            self._release(request.block_table[i])
-            request.block_table[i] = SKIPPED_BLOCK
-        request.num_skipped_blocks = max(request.num_skipped_blocks, skipped)
+        skipped = min(max(0, first_needed) // self.block_size, len(table))
+        already = self._skipped(request)
+        for i in range(already, skipped):
+            self._release(table[i])
+            table[i] = SKIPPED_BLOCK
+        setattr(request, self._skipped_field, max(already, skipped))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (blocks in use keep their content)."""
@@ -248,3 +335,5 @@ class KVCacheManager:
         self.block_hash = [None] * self.num_blocks
         if self._record_events:
             self._record("cleared")
+        if self.window is not None:
+            self.window.reset_prefix_cache()

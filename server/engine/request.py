@@ -44,6 +44,11 @@ class Request:
     # `SKIPPED_BLOCK`, so each position keeps its index.
     block_table: list[int] = field(default_factory=list)
     num_skipped_blocks: int = 0
+    # A model whose sliding layers keep their K/V in blocks of their own (Gemma 2/3): those blocks, the
+    # first `num_skipped_window_blocks` given back as they fell out of the window; `block_table` is then
+    # the other layers', which keep every block.
+    window_block_table: list[int] = field(default_factory=list)
+    num_skipped_window_blocks: int = 0
     # Hashes of this request's full blocks (prefix caching), extended as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: FinishReason | None = None

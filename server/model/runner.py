@@ -106,6 +106,8 @@ class ModelRunner:
         self.device = device
         self.workers = workers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Whether the sliding layers' K/V has blocks of its own (`allocate_kv_cache`'s num_window_blocks).
+        self.window_blocks = False
         self.layer_loop = fused_layer_loop(model, ops, device)
         self.lora: LoRASlots | None = None
         # Whether steps carry each token's rope length (`ModelInput.rope_lengths`).
@@ -118,21 +120,29 @@ class ModelRunner:
         self.lora = LoRASlots(self.model, self.ops, max_loras, max_lora_rank, self.dtype, self.device)
         return self.lora
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_window_blocks: int | None = None) -> None:
         """(Re)allocate the KV cache on every rank: one key and one value tensor per layer, `[num_blocks,
-        block_size, num_kv_heads of this rank, head_dim]` in the runner's dtype."""
+        block_size, num_kv_heads of this rank, head_dim]` in the runner's dtype; with
+        `num_window_blocks`, the sliding layers' (`ModelShape.sliding_layers`) have that many blocks,
+        addressed by the requests' window block tables (`AttentionMetadata.window`)."""
         if self.workers is not None:
-            self.workers.tell("allocate_kv_cache", num_blocks)
+            self.workers.tell("allocate_kv_cache", (num_blocks, num_window_blocks))
         self.kv_caches = []  # the old pool is freed first
         shape = self.model.shape
-        cache_shape = (num_blocks, self.block_size, self.model.partition.num_kv_heads, shape.head_dim)
-        # torch.empty: on CPU the pages are only touched when blocks are first written.
-        self.kv_caches = [
-            (
-                torch.empty(cache_shape, dtype=self.dtype, device=self.device),
-                torch.empty(cache_shape, dtype=self.dtype, device=self.device),
+        sliding = getattr(shape, "sliding_layers", ()) or (False,) * shape.num_layers
+        self.window_blocks = num_window_blocks is not None
+
+        def cache_pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # torch.empty: on CPU the pages are only touched when blocks are first written.
+            size = (blocks, self.block_size, self.model.partition.num_kv_heads, shape.head_dim)
+            return (
+                torch.empty(size, dtype=self.dtype, device=self.device),
+                torch.empty(size, dtype=self.dtype, device=self.device),
             )
-            for _ in range(shape.num_layers)
+
+        self.kv_caches = [
+            cache_pair(num_window_blocks if slides and self.window_blocks else num_blocks)
+            for slides in sliding
         ]
 
     def profile_kv_pool_bytes(self, num_tokens: int, gpu_memory_utilization: float) -> int:
@@ -166,7 +176,8 @@ class ModelRunner:
             known = request.all_token_ids[start : start + sched.num_new_tokens - len(sched.spec_token_ids)]
             rows.append((known + sched.spec_token_ids, start, request.block_table))
         rope_floors = [s.request.rope_length for s in scheduled] if self.rope_by_length else None
-        inputs = pack_rows(rows, self.block_size, rope_floors)
+        window_tables = [s.request.window_block_table for s in scheduled] if self.window_blocks else None
+        inputs = pack_rows(rows, self.block_size, rope_floors, window_tables)
         # The last known token and every draft token of each sampling request are sampled.
         ends = inputs.meta.query_start_loc.tolist()[1:]
         inputs.logits_rows = torch.tensor(
@@ -201,14 +212,7 @@ class ModelRunner:
             table, positions = self.model.rotary_table(positions, inputs.rope_lengths.to(dev))
             extra = {"cos_sin_cache": table}
         if dev.type != "cpu":
-            meta = AttentionMetadata(
-                slot_mapping=meta.slot_mapping.to(dev),
-                block_tables=meta.block_tables.to(dev),
-                query_start_loc=meta.query_start_loc.to(dev),
-                seq_lens=meta.seq_lens.to(dev),
-                max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len,
-            )
+            meta = _to_device(meta, dev)
         input_ids = inputs.input_ids.to(dev)
         lora_indices = None if inputs.lora_indices is None else inputs.lora_indices.to(dev)
         if self.lora is not None:
@@ -216,24 +220,19 @@ class ModelRunner:
         if self.layer_loop is not None and self.layer_loop.runs(meta.max_query_len, meta.max_seq_len):
             lora = None if lora_indices is None else (*self.lora.loop_arguments(), lora_indices)
             hidden = self.layer_loop(
-                self.model.embed(input_ids),
-                positions,
-                table,
-                self.kv_caches,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.query_start_loc,
-                meta.seq_lens,
-                lora,
+                self.model.embed(input_ids), positions, table, self.kv_caches, meta, lora
             )
         else:
             # Once per step, for every layer: what the kernels derive from the metadata (this rank's heads).
-            prepared = self.ops.prepare_metadata(
-                meta, positions, table, self.block_size, self.model.partition.num_kv_heads
-            )
-            hidden = self.model(
-                input_ids, positions, self.kv_caches, dataclasses.replace(meta, prepared=prepared), **extra
-            )
+            def prepare(m: AttentionMetadata) -> AttentionMetadata:
+                heads = self.model.partition.num_kv_heads
+                prepared = self.ops.prepare_metadata(m, positions, table, self.block_size, heads)
+                return dataclasses.replace(m, prepared=prepared)
+
+            meta = prepare(meta)
+            if meta.window is not None:
+                meta = dataclasses.replace(meta, window=prepare(meta.window))
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, **extra)
         if not len(inputs.logits_rows):
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_rows.to(dev)])
@@ -306,37 +305,68 @@ class ModelRunner:
         self.forward(inputs)
 
 
+def _to_device(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping.to(dev),
+        block_tables=meta.block_tables.to(dev),
+        query_start_loc=meta.query_start_loc.to(dev),
+        seq_lens=meta.seq_lens.to(dev),
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        window=None if meta.window is None else _to_device(meta.window, dev),
+    )
+
+
+def _slots_and_tables(
+    positions: list[np.ndarray], tables: list[list[int]], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot mapping `[num_tokens]` int64 of rows at `positions` through their block `tables`, and
+    the tables padded to one `[num_rows, max_blocks]` int32 tensor."""
+    padded = np.zeros((len(tables), max(len(table) for table in tables)), dtype=np.int32)
+    slots = []
+    for row, (pos, block_table) in enumerate(zip(positions, tables, strict=True)):
+        table = np.asarray(block_table, dtype=np.int64)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        padded[row, : len(table)] = table
+    return torch.from_numpy(np.concatenate(slots)), torch.from_numpy(padded)
+
+
 def pack_rows(
-    rows: list[tuple[list[int], int, list[int]]], block_size: int, rope_floors: list[int] | None = None
+    rows: list[tuple[list[int], int, list[int]]],
+    block_size: int,
+    rope_floors: list[int] | None = None,
+    window_tables: list[list[int]] | None = None,
 ) -> ModelInput:
     """One packed batch of `rows`, each (token ids, the position of the first, the sequence's block table
     of `block_size`-token blocks covering every position written): their K/V go to the slots the tables
     give, and the logits of each row's last token are computed (`logits_rows`). With `rope_floors`
-    (each row's `Request.rope_length`), each token's rope length too: max(floor, position + 1)."""
+    (each row's `Request.rope_length`), each token's rope length too: max(floor, position + 1). With
+    `window_tables` (each row's `Request.window_block_table`), the sliding layers' slots and tables too
+    (`AttentionMetadata.window`)."""
     input_ids: list[int] = []
     positions: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
-    block_tables = np.zeros((len(rows), max(len(table) for _, _, table in rows)), dtype=np.int32)
-    for row, (tokens, start, block_table) in enumerate(rows):
+    for tokens, start, _ in rows:
         end = start + len(tokens)
         input_ids.extend(tokens)
-        pos = np.arange(start, end)
-        table = np.asarray(block_table, dtype=np.int64)
-        positions.append(pos)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        positions.append(np.arange(start, end))
         query_start_loc.append(end - start + query_start_loc[-1])
         seq_lens.append(end)
-        block_tables[row, : len(table)] = table
+    slot_mapping, block_tables = _slots_and_tables(positions, [table for _, _, table in rows], block_size)
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(np.concatenate(slots)),
-        block_tables=torch.from_numpy(block_tables),
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         max_query_len=max(len(tokens) for tokens, _, _ in rows),
         max_seq_len=max(seq_lens),
     )
+    if window_tables is not None:
+        slot_mapping, block_tables = _slots_and_tables(positions, window_tables, block_size)
+        meta = dataclasses.replace(
+            meta, window=dataclasses.replace(meta, slot_mapping=slot_mapping, block_tables=block_tables)
+        )
     rope_lengths = None
     if rope_floors is not None:
         rope_lengths = torch.from_numpy(

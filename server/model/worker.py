@@ -92,7 +92,7 @@ def _rank_main(rank: int, config: RankConfig, log_level: int) -> None:
         if command == "stop":
             break
         if command == "allocate_kv_cache":
-            runner.allocate_kv_cache(arg)
+            runner.allocate_kv_cache(*arg)
         elif command == "forward":
             runner.forward(arg)
         else:

@@ -413,3 +413,46 @@ def test_a_window_on_every_layer_gives_blocks_back_and_tokens_stay_equal(backend
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=60, min_new_tokens=60, do_sample=False)
     assert ours == ref[0, len(ids) :].tolist()
     assert max(held[2:]) <= 3 and -(-(len(ids) + 60) // 16) == 7
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_sliding_layers_hold_their_window_under_preemption_and_prefix_caching(backend, tokenizer, tmp_path):
+    """Gemma 3 (a sliding layer, window 16, and a global one) whose sliding layer keeps its K/V in blocks
+    of its own: five prompts sharing a prefix, each decoding 30 tokens, in pools of 8 blocks each, too
+    small for all at once: some are preempted and recomputed, later ones find the prefix cached (global
+    blocks and the sliding layer's last window); each sequence grows to 4-5 global blocks while its sliding layer
+    holds at most 4 (the window's 2, a partial block, and a 32-token step's 2 more, less the overlap);
+    greedy tokens equal transformers'; every block of both pools is free at the end."""
+    from conveyor.server.messages import SamplingParams
+
+    hf = _saved_random_model(_config("gemma3"), tokenizer, tmp_path)
+    layer_bytes = 2 * SHAPE["num_key_value_heads"] * 48 * 4  # K and V of one layer, float32
+    engine = build_engine(
+        EngineConfig(
+            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=128),
+            cache=CacheConfig(kv_cache_memory=16 * 16 * layer_bytes),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=5),
+            device=DeviceConfig(device="cpu", attention_backend=backend),
+        )
+    )
+    kv, limits = engine.kv_cache, engine.limits
+    assert kv.window is not None and (limits.num_kv_blocks, limits.num_window_blocks) == (8, 8)
+    prefix = tokenizer("A long prompt " * 10)["input_ids"][:40]
+    ids = [prefix + tokenizer(f" number {i}")["input_ids"] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    requests = [engine.add_request(engine.make_request(str(i), p, params)) for i, p in enumerate(ids)]
+    ours: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
+    held, grown = 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ours[out.request_id] += out.new_token_ids
+        for r in requests:
+            held = max(held, len(r.window_block_table) - r.num_skipped_window_blocks)
+            grown = max(grown, len(r.block_table))
+    for i, p in enumerate(ids):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
+        assert ours[str(i)] == ref[0, len(p) :].tolist(), f"prompt {i}"
+    assert engine.scheduler.num_preemptions > 0 and kv.prefix_cache_hits > 0
+    assert grown == max(-(-(len(p) + 29) // 16) for p in ids) >= 4 and held <= 4
+    assert (kv.num_free_blocks, kv.window.num_free_blocks) == (kv.num_blocks, kv.window.num_blocks)

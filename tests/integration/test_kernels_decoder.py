@@ -140,16 +140,7 @@ def _model(dtype: torch.dtype, linears: str, family: str = "llama") -> LlamaForC
 
 def _fused_forward(loop, model: LlamaForCausalLM, ids, positions, caches, meta) -> torch.Tensor:
     """The model's forward pass through the C++ layer loop, as the runner calls it."""
-    return loop(
-        model.embed(ids),
-        positions,
-        model.cos_sin_cache,
-        caches,
-        meta.slot_mapping,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.seq_lens,
-    )
+    return loop(model.embed(ids), positions, model.cos_sin_cache, caches, meta)
 
 
 CASES = [
@@ -223,6 +214,48 @@ def test_layer_loop_equals_the_python_layers_of_every_family(family: str, dtype:
     assert torch.equal(fused, expected)
     for (k1, v1), (k2, v2) in zip(python_caches, fused_caches, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def _with_window_blocks(meta: AttentionMetadata) -> AttentionMetadata:
+    """`meta` with the sliding layers' own blocks (`AttentionMetadata.window`): the same positions in
+    other blocks (block b becomes NUM_BLOCKS - 1 - b)."""
+    tables = NUM_BLOCKS - 1 - meta.block_tables
+    blocks = meta.slot_mapping // BLOCK_SIZE
+    slots = (NUM_BLOCKS - 1 - blocks) * BLOCK_SIZE + meta.slot_mapping % BLOCK_SIZE
+    return dataclasses.replace(
+        meta, window=dataclasses.replace(meta, slot_mapping=slots, block_tables=tables)
+    )
+
+
+@pytest.mark.parametrize("step", [_mixed_step, _decode_step], ids=["mixed", "decode"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3-wide-window"])
+def test_sliding_layers_with_blocks_of_their_own_read_and_write_them(family: str, step) -> None:
+    """Where the sliding layers keep their K/V apart (Gemma 2/3 under the KV cache's window pool), they
+    write and read it through the window's slots and tables, in the loop as in the Python layers: the
+    sliding layer's keys land at the window slots (the same keys a step without a window pool writes at
+    the main ones), and both paths agree bit for bit."""
+    model = _model(torch.float32, "plain", family)
+    ids, positions, meta = step()
+    windowed = _with_window_blocks(meta)
+    python_caches, fused_caches, plain_caches = (_caches(model, torch.float32) for _ in range(3))
+    loop = fused_layer_loop(model, cpu, torch.device("cpu"))
+    with torch.inference_mode():
+        expected = model(ids, positions, python_caches, windowed)
+        model(ids, positions, plain_caches, meta)
+        if loop.runs(meta.max_query_len, meta.max_seq_len):
+            fused = _fused_forward(loop, model, ids, positions, fused_caches, windowed)
+            assert torch.equal(fused, expected)
+            for (k1, v1), (k2, v2) in zip(python_caches, fused_caches, strict=True):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    sliding = model.shape.sliding_layers.index(True)
+
+    def keys(caches, slots):
+        return caches[sliding][0].view(-1, NUM_KV_HEADS, HEAD_DIM)[slots]
+
+    assert torch.equal(
+        keys(python_caches, windowed.window.slot_mapping), keys(plain_caches, meta.slot_mapping)
+    )
+    assert not torch.equal(keys(python_caches, meta.slot_mapping), keys(plain_caches, meta.slot_mapping))
 
 
 def test_layer_loop_refuses_a_layer_it_cannot_call() -> None:

@@ -244,8 +244,11 @@ def test_operator_plans_qwen3_and_gemma3_specs() -> None:
     """Qwen3-8B on an H100 at 8K: 2 x 36 layers x 8 KV heads x 128 x 2 bytes = 147,456 bytes per token;
     (71.68 GiB usable - 15.26 GiB of weights - 1 GiB) // (147,456 x 16) = 25,225 blocks, 49 sequences of
     512 blocks. Gemma 3 270M (one KV head of 256, 18 layers) on an L4 at its 32K positions: 18,432 bytes
-    per token, 33 sequences (every layer counted for every token: the KV cache gives sliding layers the
-    whole sequence)."""
+    per token, 3,072 of them in its 3 global layers, 15,360 in its 15 sliding ones (window 512); the
+    sliding layers hold ceil(511 / 16) + 2 = 34 blocks per sequence plus 2048 / 16 = 128 for a step's
+    new tokens, so (20,127,671,449 - 128 x 15,360 x 16) // (2,048 x 3,072 x 16 + 34 x 15,360 x 16) =
+    184 sequences (33 if every layer held every token), in 6,384 sliding blocks and 377,578 global ones
+    (>= 184 x 2,048)."""
     qwen = plan_for_spec(
         parse_spec(
             _spec(model__name="Qwen/Qwen3-8B", model__maxModelLen=8192, resources__gpuType="h100-80gb")
@@ -259,7 +262,9 @@ def test_operator_plans_qwen3_and_gemma3_specs() -> None:
     gemma = plan_for_spec(
         parse_spec(_spec(model__name="gemma-3-270m", model__maxModelLen=32768, resources__gpuType="l4"))
     )
-    assert (gemma.capacity.kv_bytes_per_token, gemma.max_num_seqs) == (18_432, 33)
+    cap = gemma.capacity
+    assert (cap.kv_bytes_per_token, gemma.max_num_seqs) == (18_432, 184)
+    assert (cap.num_window_blocks, cap.num_kv_blocks, cap.sliding_window) == (6_384, 377_578, 512)
 
 
 def test_operator_plans_mixture_of_experts_specs_with_every_expert_in_the_weights(

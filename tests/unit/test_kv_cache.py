@@ -242,20 +242,82 @@ def test_a_sliding_window_on_every_layer_bounds_the_blocks_a_growing_sequence_ho
 
 
 def test_blocks_given_back_behind_a_window_stay_in_the_prefix_cache_and_shared_ones_stay_held():
-    """Two requests share a cached 8-token prefix; one grows past its window and gives its share back
-    (the other still holds the blocks); a third request with the same prefix still hits them."""
+    """Two requests share a cached 8-token prefix; both give back its first block as their prefill step
+    ends (their next token sees positions 4..9), one grows past its window and gives its share of the
+    second back (the other still holds it); a third request with the same prefix still hits both."""
+    from conveyor.server.engine.kv_cache import SKIPPED_BLOCK
+
     kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=6)
     prefix = list(range(8))
     a, b = make_request("a", prefix + [50]), make_request("b", prefix + [60])
-    assert admit(kv, a) and admit(kv, b)
-    shared = a.block_table[:2]
-    assert b.block_table[:2] == shared and all(kv.ref_counts[x] == 2 for x in shared)
+    assert admit(kv, a)
+    shared = [kv.cached_blocks[h] for h in a.block_hashes[:2]]
+    assert admit(kv, b)
+    assert a.block_table[0] == b.block_table[0] == SKIPPED_BLOCK and kv.ref_counts[shared[0]] == 0
+    assert b.block_table[1] == shared[1] and kv.ref_counts[shared[1]] == 2
     for token in range(8):
         _step(kv, a, [100 + token])
-    assert a.num_skipped_blocks >= 2 and all(kv.ref_counts[x] == 1 for x in shared)
+    assert a.num_skipped_blocks >= 2 and kv.ref_counts[shared[0]] == 0 and kv.ref_counts[shared[1]] == 1
     kv.free(b)
     assert all(kv.ref_counts[x] == 0 for x in shared)
     c = make_request("c", prefix + [70])
     assert kv.get_computed_blocks(c) == shared
     kv.free(a)
     assert kv.num_free_blocks == 16
+
+
+def test_sliding_layers_with_a_pool_of_their_own_hold_their_window_and_global_layers_everything():
+    """Gemma-style: global layers keep every block of a growing sequence in the main pool while the
+    sliding layers' pool (window 20, 4-token blocks) holds at most ceil(19 / 4) + 2 blocks per
+    sequence; block-table indexes stay positions in both; freeing returns every block of both pools."""
+    from conveyor.server.engine.kv_cache import SKIPPED_BLOCK
+
+    kv = KVCacheManager(num_blocks=64, block_size=4, sliding_window=20, num_window_blocks=7)
+    assert kv.sliding_window is None and kv.window.sliding_window == 20
+    r = make_request("a", list(range(10)))
+    assert admit(kv, r)
+    held = []
+    for token in range(200):
+        _step(kv, r, [1000 + token])
+        held.append(len(r.window_block_table) - r.num_skipped_window_blocks)
+        assert len(r.window_block_table) == len(r.block_table) and r.num_skipped_blocks == 0
+        assert all(b == SKIPPED_BLOCK for b in r.window_block_table[: r.num_skipped_window_blocks])
+        assert kv.window.num_free_blocks == 7 - held[-1]
+    assert max(held) <= 7 and len(r.block_table) == 53 and kv.num_free_blocks == 64 - 53
+    assert kv.usage == max(53 / 64, held[-1] / 7)  # the fuller pool
+    kv.free(r)
+    assert (kv.num_free_blocks, kv.window.num_free_blocks) == (64, 7)
+    assert r.block_table == r.window_block_table == [] and r.num_skipped_window_blocks == 0
+
+
+def test_a_full_window_pool_refuses_the_step_without_taking_global_blocks():
+    kv = KVCacheManager(num_blocks=64, block_size=4, sliding_window=8, num_window_blocks=3)
+    a, b = make_request("a", list(range(12))), make_request("b", list(range(100, 112)))
+    assert admit(kv, a)  # 3 window blocks while it writes 12 tokens, then 2 (positions 5..11)
+    assert kv.window.num_free_blocks == 1 and kv.num_free_blocks == 61
+    assert not admit(kv, b)
+    assert kv.num_free_blocks == 61 and b.block_table == b.window_block_table == []
+
+
+def test_a_prefix_hit_needs_the_sliding_layers_blocks_of_its_last_window():
+    """A 16-token prefix cached in both pools is a hit of 16 tokens, with the blocks before the next
+    token's window (positions < 16 - 6 + 1) left out of the window table; once the sliding pool has
+    evicted the prefix's last window block, the hit shrinks to where a window is still whole."""
+    from conveyor.server.engine.kv_cache import SKIPPED_BLOCK
+
+    kv = KVCacheManager(num_blocks=32, block_size=4, sliding_window=6, num_window_blocks=6)
+    prefix = list(range(16))
+    a = make_request("a", prefix + [50])
+    assert admit(kv, a)
+    kv.free(a)
+    b = make_request("b", prefix + [60])
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 4
+    assert admit(kv, b)
+    assert b.num_computed_tokens == 17 and kv.prefix_cache_hits == 16
+    assert b.window_block_table[:2] == [SKIPPED_BLOCK] * 2 and b.num_skipped_window_blocks >= 2
+    kv.free(b)
+    # Evict the prefix's last block (positions 12-15) from the sliding layers' pool only.
+    kv.window.cached_blocks.pop(b.block_hashes[3])
+    c = make_request("c", prefix + [70])
+    assert len(kv.get_computed_blocks(c)) == 3  # blocks 1-2 still hold the window of position 12

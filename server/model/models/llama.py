@@ -30,6 +30,7 @@ from conveyor.kernels.reference import (
     rope_kind,
     rope_rows,
 )
+from conveyor.server.capacity import sliding_layers
 from conveyor.server.model.parallel import Partition, TensorParallel, partition
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -260,23 +261,6 @@ def _rope(config) -> tuple[float, dict | None, float | None]:
     return float(theta), scaling, local
 
 
-def sliding_layers(config) -> tuple[int | None, tuple[bool, ...]]:
-    """(window, which layers slide): Mistral's `sliding_window` on every layer; Qwen2/3's only under
-    `use_sliding_window`; `layer_types` where the config has it (Gemma 2/3, Qwen). (None, ()) when no
-    layer slides."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None, ()
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        sliding = (True,) * config.num_hidden_layers
-    else:
-        sliding = tuple(t == "sliding_attention" for t in layer_types)
-    if not any(sliding):
-        return None, ()
-    return int(window), sliding
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, ops: KernelBackend) -> None:
         super().__init__()
@@ -338,6 +322,8 @@ class LlamaAttention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        if self.sliding and meta.window is not None:  # this layer's K/V has blocks of its own
+            meta = meta.window
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_all_heads:  # over the whole projection (OLMoE)
             q, k = self.q_norm(q.contiguous())[0], self.k_norm(k.contiguous())[0]

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.server.model.models.llama import cached_attention, sliding_layers
+from conveyor.server.capacity import sliding_layers
+from conveyor.server.model.models.llama import cached_attention
 from conveyor.server.model.parallel import TensorParallel, partition
 
 logger = logging.getLogger(__name__)
