@@ -1,7 +1,7 @@
 """Offline batches through the in-process engine: throughput, step times, the KV pool, and how close a
 decode step comes to its memory-bandwidth floor.
 
-    python -m conveyor.benchmarks.offline MODEL [--load-format dummy] [--dtype bfloat16]
+    python -m conveyor.benchmarks.offline MODEL [--load-format dummy] [--dtype bfloat16] [--model-impl transformers]
         [--batch-sizes 1,16,64,256] [--input-len 512] [--output-len 128]
         [--plan-model llama-3-8b --plan-gpu h200-141gb] [--json FILE]
 
@@ -71,6 +71,7 @@ class OfflineReport:
     planned_kv_pool_bytes: int | None
     copy_gbs: float
     batches: list[BatchResult]
+    model_impl: str = "native"  # the implementation that ran (`--model-impl`'s choice)
 
 
 def wall_clock_median(fn, repeats: int = 10) -> float:
@@ -87,11 +88,19 @@ def wall_clock_median(fn, repeats: int = 10) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
-def weight_bytes_read_per_step(shape, dtype: torch.dtype) -> int:
+def weight_bytes_read_per_step(shape, dtype: torch.dtype, model: torch.nn.Module | None = None) -> int:
     """Bytes of the weights one forward pass reads: every parameter of the model's shape, less an
-    untied input embedding table (a lookup reads only the batch's rows). Counted on the meta device."""
-    from conveyor.server.model.models.llama import LlamaForCausalLM
+    untied input embedding table (a lookup reads only the batch's rows). Counted on the meta device for
+    conveyor's decoder; for transformers' own (`model`, `--model-impl transformers`) its parameters."""
+    from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
 
+    if not isinstance(shape, ModelShape):
+        hf = model.hf  # TransformersForCausalLM's transformers model
+        embed = hf.get_input_embeddings().weight
+        count = sum(p.numel() for p in hf.parameters())  # a tied table is one parameter, counted once
+        if hf.get_output_embeddings().weight is not embed:
+            count -= embed.numel()
+        return count * torch.empty((), dtype=dtype).element_size()
     with torch.device("meta"):
         model = LlamaForCausalLM(shape, ops=None)
     count = sum(p.numel() for p in model.parameters())
@@ -123,6 +132,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab_size: i
 def run(args: argparse.Namespace) -> OfflineReport:
     from conveyor.server.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
     from conveyor.server.engine.builder import build_engine
+    from conveyor.server.model.models.transformers_impl import TransformersForCausalLM
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     cache = {"gpu_memory_utilization": args.gpu_memory_utilization}
@@ -134,6 +144,7 @@ def run(args: argparse.Namespace) -> OfflineReport:
             load_format=args.load_format,
             dtype=args.dtype,
             max_model_len=args.input_len + args.output_len,
+            model_impl=args.model_impl,
         ),
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes)),
@@ -143,7 +154,7 @@ def run(args: argparse.Namespace) -> OfflineReport:
     engine = build_engine(config)
     start_s = time.perf_counter() - start
     shape = engine.model.shape
-    weights = weight_bytes_read_per_step(shape, engine.dtype)
+    weights = weight_bytes_read_per_step(shape, engine.dtype, engine.model)
     copy_gbs = measure_copy_gbs(engine.device, wall_clock_median)
     planned = _planned_pool_bytes(args, str(engine.dtype).removeprefix("torch."))
     results = []
@@ -182,6 +193,7 @@ def run(args: argparse.Namespace) -> OfflineReport:
         planned_kv_pool_bytes=planned,
         copy_gbs=copy_gbs,
         batches=results,
+        model_impl="transformers" if isinstance(engine.model, TransformersForCausalLM) else "native",
     )
 
 
@@ -208,7 +220,7 @@ def _planned_pool_bytes(args: argparse.Namespace, dtype: str) -> int | None:
 def format_report(report: OfflineReport) -> str:
     """The report as markdown: one line of context, the KV pool, and one table row per batch size."""
     lines = [
-        f"{report.device}, {report.model}, {report.dtype}: engine start {report.start_s:.1f} s, weights read "
+        f"{report.device}, {report.model} ({report.model_impl} implementation), {report.dtype}: engine start {report.start_s:.1f} s, weights read "
         f"per step {report.weight_bytes / GiB:.2f} GiB, {report.kv_bytes_per_token:,} KV bytes/token, "
         f"copy bandwidth {report.copy_gbs:.0f} GB/s (read + write).",
         "",
@@ -239,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         "model", nargs="?", default=None, help="model directory (default: the embedded model)"
     )
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    parser.add_argument(
+        "--model-impl", choices=["auto", "native", "transformers"], default="auto", help="as conveyor serve's"
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated")

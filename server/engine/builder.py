@@ -79,6 +79,7 @@ def build_engine(config: EngineConfig, make_observer: ObserverFactory | None = N
     """
     mc, cc, sc = config.model, config.cache, config.scheduler
     device = pick_device(config.device.device)
+    reuse_large_buffers()
     # A start that reads a GGUF's blocks (or makes random ones) needs only its config and tokenizer converted.
     source = loader.converted(loader.resolve_model(mc.model), weights=mc.quantization in (None, "int8"))
     hf_config = loader.load_config(source)
@@ -362,6 +363,25 @@ def _drafter(
         costs,
     )
     return Drafter(method, step_cost, draft_model)
+
+
+# glibc's mallopt parameters (malloc.h) and the sizes conveyor sets them to.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_ALLOCATION_LIMIT = 1 << 30
+
+
+def reuse_large_buffers() -> None:
+    """Let glibc's malloc serve allocations of up to 1 GiB from its heap, and keep up to 1 GiB of freed
+    heap instead of handing it back (`mallopt` M_MMAP_THRESHOLD and M_TRIM_THRESHOLD). By default an
+    allocation over 32 MiB is a fresh `mmap` whose pages the kernel zeroes on first touch, every time:
+    a step's logits of a 262k-token vocabulary at 64 rows (64 MiB in float32, allocated twice a step)
+    cost about 25 ms each that way, 3 ms from reused memory, and Gemma 3 270M's decode step at 64
+    sequences went from 213 to 151 ms on a 2-core AVX-512 machine. vLLM's CPU guide preloads tcmalloc
+    for the same reason. Process-wide; does nothing where libc has no `mallopt`."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, HEAP_ALLOCATION_LIMIT)
+        libc.mallopt(_M_TRIM_THRESHOLD, HEAP_ALLOCATION_LIMIT)
 
 
 def release_freed_memory() -> None:

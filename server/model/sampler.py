@@ -162,7 +162,9 @@ def sample(
     bias and penalties and before temperature and truncation (vLLM's default "raw" log-probabilities;
     with a logit_bias they are of the biased distribution, as OpenAI's are).
     """
-    logits = logits.to(torch.float32, copy=True)  # penalties and masks work in place
+    # Masks, biases and penalties change a copy; without them the float32 logits are only read.
+    in_place = (metadata.grammar_bitmask, metadata.logit_bias, metadata.penalties, metadata.banned)
+    logits = logits.to(torch.float32, copy=any(x is not None for x in in_place))
     if metadata.grammar_bitmask is not None:
         apply_grammar_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
     if metadata.logit_bias is not None:
