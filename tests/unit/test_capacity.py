@@ -21,7 +21,14 @@ from conveyor.operator.plan import (
 )
 from conveyor.operator.spec import parse_spec
 from conveyor.server import capacity
-from conveyor.server.capacity import InsufficientGPUMemoryError, kv_bytes_per_token, plan_capacity
+from conveyor.server.capacity import (
+    InsufficientGPUMemoryError,
+    kv_bytes_per_token,
+    max_num_seqs_for_blocks,
+    max_num_seqs_for_split_pool,
+    plan_capacity,
+    split_kv_pool,
+)
 
 A100_80GB = 80 * GiB
 LLAMA3_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -295,3 +302,30 @@ def test_operator_plans_mixture_of_experts_specs_with_every_expert_in_the_weight
     assert mixtral.max_num_seqs > 0
     assert plan_cli.main(["--model", "mixtral-8x7b", "--gpu", "h200", "--max-model-len", "8192"]) == 0
     assert "experts             8 per sparse layer, 2 per token" in capsys.readouterr().out
+
+
+def test_every_layer_sliding_counts_the_window_not_max_model_len() -> None:
+    """Mistral 7B v0.1 (window 4,096 on all 32 layers) on an H100 at 32K: 29,283 blocks of 16 tokens;
+    a sequence holds at most ceil(4,095 / 16) + 2 = 258 of them and a 2,048-token step 128 more, so
+    (29,283 - 128) // 258 = 113 sequences where counting max_model_len gives 29,283 // 2,048 = 14."""
+    plan = plan_for_spec(
+        parse_spec(_spec(model__name="mistral-7b", model__maxModelLen=32768, resources__gpuType="h100-80gb"))
+    )
+    cap = plan.capacity
+    assert (cap.num_kv_blocks, cap.sliding_window, cap.num_window_blocks) == (29_283, 4096, 0)
+    assert plan.max_num_seqs == 113 == (29_283 - 128) // 258
+    assert max_num_seqs_for_blocks(29_283, 16, 32768) == 14
+
+
+def test_a_window_longer_than_the_sequence_changes_nothing() -> None:
+    """A window that a max_model_len sequence never outgrows counts like a global layer, and a split
+    pool never plans fewer sequences than counting every token of every layer."""
+    assert max_num_seqs_for_blocks(1000, 16, 512, sliding_window=4096, max_num_batched_tokens=2048) == 31
+    pool, full, window = 10 * GiB, 3 * 4096, 15 * 4096
+    for max_model_len in (256, 512, 8192, 32768):
+        every_token = pool // ((full + window) * 16) // -(-max_model_len // 16)
+        split = max_num_seqs_for_split_pool(pool, full, window, 16, 512, max_model_len, 2048)
+        assert split >= every_token
+        num_full, num_window = split_kv_pool(pool, full, window, 16, 512, split, 2048)
+        assert num_full >= split * -(-max_model_len // 16)
+        assert num_full * full * 16 + num_window * window * 16 <= pool
