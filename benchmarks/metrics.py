@@ -283,11 +283,44 @@ def matmul_flops_per_s(n: int, seconds_per_mm: float) -> float:
     return 2.0 * n**3 / seconds_per_mm
 
 
-def model_flops_utilization(num_params: int, tokens_per_s: float, peak_flops_per_s: float) -> float:
-    """MFU: ``2 * params * tokens/s`` (forward-pass FLOPs, attention ignored) over the measured matmul rate."""
+@dataclass(frozen=True)
+class ModelFlops:
+    """The weights a model's forward pass multiplies per token, for MFU (2 FLOPs per weight, attention
+    ignored; Kaplan et al. 2020's 2N). Every token runs the decoder layers (`layer_params`: every
+    parameter but the embedding table and an untied LM head); only a token whose logits are computed,
+    an output token, runs the LM head (`lm_head_params` = vocab_size x hidden_size); the input
+    embedding is a lookup. num_params: distinct parameters, a tied table once."""
+
+    num_params: int
+    lm_head_params: int
+    tied: bool = True
+
+    @property
+    def layer_params(self) -> int:
+        return self.num_params - self.lm_head_params * (1 if self.tied else 2)
+
+    @classmethod
+    def from_config(cls, num_params: int, config: Mapping[str, Any]) -> ModelFlops:
+        """From a model's parameter count and its config.json fields (`vocab_size`, `hidden_size`,
+        `tie_word_embeddings`, default True as transformers' Gemma and Llama-family configs say)."""
+        return cls(
+            num_params, config["vocab_size"] * config["hidden_size"], config.get("tie_word_embeddings", True)
+        )
+
+
+# The embedded SmolLM2-135M-Instruct: 134,515,008 parameters, a tied 49,152 x 576 embedding.
+EMBEDDED_MODEL_FLOPS = ModelFlops(134_515_008, 49_152 * 576)
+
+
+def model_flops_utilization(
+    flops: ModelFlops, total_tokens_per_s: float, output_tokens_per_s: float, peak_flops_per_s: float
+) -> float:
+    """MFU: ``2 * layer_params * total tok/s + 2 * lm_head_params * output tok/s`` (forward-pass FLOPs,
+    attention ignored) over the measured matmul rate. Raises ValueError for a rate that is not positive."""
     if peak_flops_per_s <= 0:
         raise ValueError(f"peak_flops_per_s must be > 0, got {peak_flops_per_s}")
-    return 2.0 * num_params * tokens_per_s / peak_flops_per_s
+    work = flops.layer_params * total_tokens_per_s + flops.lm_head_params * output_tokens_per_s
+    return 2.0 * work / peak_flops_per_s
 
 
 def run_entry(

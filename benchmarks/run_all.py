@@ -40,6 +40,8 @@ from conveyor.benchmarks import plots, report
 from conveyor.benchmarks.client import RequestSettings, served_model_id
 from conveyor.benchmarks.datasets import SampleRequest, sharegpt_like_dataset, write_jsonl
 from conveyor.benchmarks.metrics import (
+    EMBEDDED_MODEL_FLOPS,
+    ModelFlops,
     RequestRecord,
     compute_metrics,
     matmul_flops_per_s,
@@ -53,10 +55,9 @@ from conveyor.benchmarks.server_process import ConveyorServer, ServerStartError,
 from conveyor.server.engine.builder import pick_dtype
 
 CHUNK_SWEEP = (512, 1024, 4096)
+
+
 #: Parameters of the embedded SmolLM2-135M (tied embeddings counted once), used when transformers is skipped.
-EMBEDDED_NUM_PARAMS = 134_515_008
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m conveyor.benchmarks.run_all", description=__doc__.split("\n\n")[0]
@@ -174,11 +175,11 @@ def environment() -> dict[str, Any]:
 class Bench:
     """Runs scenarios and collects run entries, writing each run's JSON as soon as it finishes."""
 
-    def __init__(self, out: Path, args: argparse.Namespace, peak_flops: float, num_params: int) -> None:
+    def __init__(self, out: Path, args: argparse.Namespace, peak_flops: float, flops: ModelFlops) -> None:
         self.out = out
         self.args = args
         self.peak_flops = peak_flops
-        self.num_params = num_params
+        self.flops = flops
         self.slos = parse_goodput_slos(args.goodput)
         self.runs: list[dict[str, Any]] = []
         #: Offline requests/s of the first conveyor system run (static when the server has it).
@@ -199,7 +200,9 @@ class Bench:
         padding = static_batching_padding(
             [s.prompt_len for s in samples], [s.output_len for s in samples], self.args.max_num_seqs
         )
-        mfu = model_flops_utilization(self.num_params, metrics.total_token_throughput, self.peak_flops)
+        mfu = model_flops_utilization(
+            self.flops, metrics.total_token_throughput, metrics.output_throughput, self.peak_flops
+        )
         run = run_entry(system, scenario, samples, records, metrics, mfu, request_rate,
                         static_padding_efficiency=padding.efficiency, **extra)  # fmt: skip
         slug = re.sub(r"[^a-z0-9]+", "_", f"{system} {scenario}".replace("%", "pct").lower()).strip("_")
@@ -355,7 +358,8 @@ def write_report(
     summary = {
         "environment": env,
         "matmul_peak": peak,
-        "num_params": bench.num_params,
+        "num_params": bench.flops.num_params,
+        "model_flops": asdict(bench.flops),
         "command": command,
         "settings": vars(bench.args),
         "targets": checks,
@@ -392,7 +396,8 @@ def write_report(
         f"Machine: {env['cpu']} ({env['cpu_count']} cores), torch {env['torch']}, transformers "
         f"{env['transformers']}, {bench.args.dtype}, {bench.args.threads} threads, commit {env['commit'][:12]}. "
         f"Matmul rate ({peak['n']}x{peak['n']} torch.mm, {peak['dtype']}): {peak_gflops:.1f} GFLOP/s; "
-        f"MFU = 2 x {bench.num_params:,} params x total tok/s / that rate. Load average at start "
+        f"MFU = (2 x {bench.flops.layer_params:,} layer params x total tok/s + 2 x "
+        f"{bench.flops.lm_head_params:,} LM-head params x output tok/s) / that rate. Load average at start "
         f"{env['load_average_start'][0]:.2f}, at end {env['load_average_end'][0]:.2f} (each run's is in summary.json; "
         "other jobs may share the CPU).",
         "",
@@ -453,7 +458,8 @@ def rebuild_report(out: Path) -> int:
     """
     summary = json.loads((out / "summary.json").read_text())
     args = argparse.Namespace(**summary["settings"])
-    bench = Bench(out, args, summary["matmul_peak"]["flops_per_s"], summary["num_params"])
+    flops = ModelFlops(**summary["model_flops"]) if "model_flops" in summary else EMBEDDED_MODEL_FLOPS
+    bench = Bench(out, args, summary["matmul_peak"]["flops_per_s"], flops)
     bench.capacity_system = summary["online_capacity"]["system"]
     bench.capacity_req_s = summary["online_capacity"]["requests_per_s"]
     order = {run["name"]: index for index, run in enumerate(summary["runs"])}
@@ -468,7 +474,7 @@ def rebuild_report(out: Path) -> int:
         metrics = compute_metrics(records, run["metrics"]["duration_s"], bench.slos)
         run["metrics"] = asdict(metrics)
         run["mfu"] = model_flops_utilization(
-            bench.num_params, metrics.total_token_throughput, bench.peak_flops
+            bench.flops, metrics.total_token_throughput, metrics.output_throughput, bench.peak_flops
         )
         runs.append(run)
     bench.runs = sorted(runs, key=lambda r: order[r["name"]])
@@ -514,13 +520,13 @@ def main(argv: list[str] | None = None) -> int:
     write_jsonl(sweep_samples, out / "workload_sweep.jsonl")
 
     model = None
-    num_params = EMBEDDED_NUM_PARAMS
+    flops = EMBEDDED_MODEL_FLOPS
     if not args.skip_transformers:
         from conveyor.benchmarks.baselines import count_parameters, load_hf_model
 
         model = load_hf_model(args.dtype)
-        num_params = count_parameters(model)
-    bench = Bench(out, args, peak["flops_per_s"], num_params)
+        flops = ModelFlops.from_config(count_parameters(model), model.config.to_dict())
+    bench = Bench(out, args, peak["flops_per_s"], flops)
     if not args.skip_conveyor:
         run_conveyor(bench, main_samples, sweep_samples)
     if model is not None:

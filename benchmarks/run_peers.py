@@ -46,6 +46,8 @@ from conveyor.benchmarks.baselines import EMBEDDED_GGUF, PAD_TOKEN_ID, embedded_
 from conveyor.benchmarks.client import RequestSettings, served_model_id
 from conveyor.benchmarks.datasets import load_jsonl, to_text
 from conveyor.benchmarks.metrics import (
+    EMBEDDED_MODEL_FLOPS,
+    ModelFlops,
     compute_metrics,
     model_flops_utilization,
     parse_goodput_slos,
@@ -98,13 +100,15 @@ def _run_entry(
     duration: float,
     goodput: list[str],
     peak: float | None,
-    num_params: int,
+    flops: ModelFlops,
     request_rate: float | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """A run as make bench records one (metrics, MFU, exact-length check, errors, load)."""
     metrics = compute_metrics(records, duration, parse_goodput_slos(goodput))
-    mfu = model_flops_utilization(num_params, metrics.total_token_throughput, peak) if peak else None
+    mfu = None
+    if peak:
+        mfu = model_flops_utilization(flops, metrics.total_token_throughput, metrics.output_throughput, peak)
     run = run_entry(system, scenario, samples, records, metrics, mfu, request_rate, **extra)
     m = metrics
     print(
@@ -131,7 +135,7 @@ def cpu_flags() -> str:
 
 
 def run_vllm(
-    args: argparse.Namespace, results: Path, samples: list, num_params: int, model: str | None = None
+    args: argparse.Namespace, results: Path, samples: list, flops: ModelFlops, model: str | None = None
 ) -> int:
     """vLLM CPU and conveyor on `samples` (token-id prompts), offline per dtype and online at the auto
     dtype; writes the runs and ``vllm.md``. With `model` (a name `conveyor serve` takes, such as the
@@ -148,7 +152,7 @@ def run_vllm(
     tag, model_flags = "", []
     if model is not None:
         samples = retokenized(samples, source)
-        num_params = parameter_count(Path(source.path))
+        flops = model_flops(Path(source.path))
         tag, model_flags = f"_{model}", [source.path, "--max-model-len", str(VLLM_MAX_MODEL_LEN)]
     auto = str(pick_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
     dtypes = list(dict.fromkeys([auto, "float32"]))
@@ -171,7 +175,7 @@ def run_vllm(
                 run_benchmark(server.base_url, samples, settings, request_rate=rate or math.inf, seed=0)
             )
             scenario = f"offline {dtype}" if rate is None else f"online {rate:.3f} req/s {dtype}"
-            run = _run_entry(system, scenario, samples, records, duration, args.goodput, peak, num_params,
+            run = _run_entry(system, scenario, samples, records, duration, args.goodput, peak, flops,
                              rate, dtype=dtype, threads=threads)  # fmt: skip
             slug = "_".join([system.split()[0], dtype, "offline" if rate is None else f"online_{len(runs)}"])
             slug = f"{model}_{slug}" if model is not None else slug
@@ -234,18 +238,19 @@ def retokenized(samples: list, source) -> list:
     return out
 
 
-def parameter_count(model_dir: Path) -> int:
-    """Parameters stored in a Hugging Face folder's safetensors files (a tied embedding once)."""
+def model_flops(model_dir: Path) -> ModelFlops:
+    """The parameters stored in a Hugging Face folder's safetensors files (a tied embedding once), split
+    by its config.json into decoder layers and LM head (`ModelFlops`)."""
     from safetensors import safe_open
 
     total = 0
     for path in model_dir.glob("*.safetensors"):
         with safe_open(str(path), "pt") as weights:
             total += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118 (not a dict)
-    return total
+    return ModelFlops.from_config(total, json.loads((model_dir / "config.json").read_text()))
 
 
-def run_vllm_lora(args: argparse.Namespace, results: Path, samples: list, num_params: int) -> int:
+def run_vllm_lora(args: argparse.Namespace, results: Path, samples: list, flops: ModelFlops) -> int:
     """vLLM CPU and conveyor with the same `--lora-adapters` PEFT adapters of rank `--lora-rank` (made
     with peft on the embedded model's seven projections, `benchmarks/lora.py`), the main workload's
     requests naming them in turn, offline at conveyor's auto dtype and at float32, every adapter
@@ -289,7 +294,7 @@ def run_vllm_lora(args: argparse.Namespace, results: Path, samples: list, num_pa
         asyncio.run(warmup(server.base_url, spread[:2], settings, 2))
         records, duration = asyncio.run(run_benchmark(server.base_url, spread, settings, seed=0))
         scenario = f"offline {dtype}, {count} rank-{rank} adapters"
-        run = _run_entry(system, scenario, spread, records, duration, args.goodput, peak, num_params,
+        run = _run_entry(system, scenario, spread, records, duration, args.goodput, peak, flops,
                          None, dtype=dtype, threads=threads, lora_adapters=count, lora_rank=rank)  # fmt: skip
         _save(results, f"lora{count}_r{rank}_{system.split()[0]}_{dtype}", run, records)  # not vllm.md's
         runs.append(run)
@@ -364,7 +369,7 @@ def vllm_report(results: Path, table: str) -> None:
         plots.ttft_cdf(online, results / "vllm_ttft_cdf_online.png", "TTFT CDF at the highest online rate")
 
 
-def run_llama_cpp(args: argparse.Namespace, results: Path, num_params: int, summary: dict) -> int:
+def run_llama_cpp(args: argparse.Namespace, results: Path, flops: ModelFlops, summary: dict) -> int:
     """llama-cpp-python and conveyor `--quantization gguf` on the folder's main workload as text, offline
     and single-stream; writes their runs and ``peers.md``. 0 when every request succeeded."""
     python = ensure_llama_cpp(Path(args.venv))
@@ -404,7 +409,7 @@ def run_llama_cpp(args: argparse.Namespace, results: Path, num_params: int, summ
             records, duration = asyncio.run(
                 run_benchmark(server.base_url, batch, settings, max_concurrency=concurrency)
             )
-            run = _run_entry(system, scenario, batch, records, duration, args.goodput, peak, num_params,
+            run = _run_entry(system, scenario, batch, records, duration, args.goodput, peak, flops,
                              threads=args.threads)  # fmt: skip
             _save(results, f"{slug}_{scenario.replace('-', '_')}", run, records)
             runs.append(run)
@@ -484,17 +489,17 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(args.results) if args.results else latest_results_dir()
     summary_path = results / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    num_params = summary.get("num_params", 134_515_008)
+    flops = ModelFlops(**summary["model_flops"]) if "model_flops" in summary else EMBEDDED_MODEL_FLOPS
     status = 0
     if "vllm" in args.peers:
-        status |= run_vllm(args, results, load_jsonl(results / "workload_main.jsonl"), num_params)
+        status |= run_vllm(args, results, load_jsonl(results / "workload_main.jsonl"), flops)
     if "vllm-gemma3" in args.peers:  # the second real model, Gemma 3 270M, from its PyPI package
         samples = load_jsonl(results / "workload_main.jsonl")
-        status |= run_vllm(args, results, samples, num_params, model="gemma-3-270m")
+        status |= run_vllm(args, results, samples, flops, model="gemma-3-270m")
     if "vllm-lora" in args.peers:
-        status |= run_vllm_lora(args, results, load_jsonl(results / "workload_main.jsonl"), num_params)
+        status |= run_vllm_lora(args, results, load_jsonl(results / "workload_main.jsonl"), flops)
     if "llama-cpp" in args.peers:
-        status |= run_llama_cpp(args, results, num_params, summary)
+        status |= run_llama_cpp(args, results, flops, summary)
     return status
 
 

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from conveyor.benchmarks.metrics import (
+    ModelFlops,
     RequestRecord,
     compute_metrics,
     goodput,
@@ -166,6 +167,13 @@ def test_mfu():
     # 1024^3 * 2 FLOPs in 10 ms = 214.75 GFLOP/s.
     peak = matmul_flops_per_s(1024, 0.01)
     assert peak == pytest.approx(2 * 1024**3 / 0.01)
-    # 135 M params at 100 tok/s = 27 GFLOP/s; over 270 GFLOP/s = 10 %.
-    assert model_flops_utilization(135_000_000, 100.0, 270e9) == pytest.approx(0.1)
-    assert math.isclose(model_flops_utilization(1, 0.0, 1.0), 0.0)
+    # 135 M params, 35 M of them a tied LM head: every token runs the 100 M layer parameters, only the
+    # 40 output tokens of 100 tok/s the LM head: 2 x (100 M x 100 + 35 M x 40) = 22.8 GFLOP/s of 228.
+    flops = ModelFlops(135_000_000, 35_000_000)
+    assert flops.layer_params == 100_000_000
+    assert model_flops_utilization(flops, 100.0, 40.0, 228e9) == pytest.approx(0.1)
+    # Untied, the input table is a lookup and the output table a matmul: 135 - 2 x 35 M layer params.
+    assert ModelFlops(135_000_000, 35_000_000, tied=False).layer_params == 65_000_000
+    assert math.isclose(model_flops_utilization(flops, 0.0, 0.0, 1.0), 0.0)
+    gemma = ModelFlops.from_config(268_098_176, {"vocab_size": 262_144, "hidden_size": 640})
+    assert (gemma.layer_params, gemma.lm_head_params) == (100_326_016, 167_772_160)
