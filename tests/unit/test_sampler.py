@@ -196,3 +196,17 @@ def test_penalties_at_draft_positions_count_the_drafts_before_them():
     out = sampler.sample(logits, metadata, torch.tensor([1, 2, -1]))
     # Row 0: 1 wins; row 1: 1 seen (2.0 / 2 = 1.0), so 2 wins; row 2: both seen (1.0, 0.95): 1 wins.
     assert out.accepted == [True, True, False] and out.token_ids == [1, 2, 1]
+
+
+@pytest.mark.parametrize("vocab", [5, 8192, 49_152, 128_256, 262_144])
+def test_argmax_is_torchs_on_ties_nan_and_vocabularies_of_every_length(vocab: int) -> None:
+    """The sampler's chunked argmax against torch's: random rows; a maximum in the tail past the last
+    whole chunk; two equal maxima in different chunks (the first wins); NaN in the first row's tail and
+    the last row's body (NaN wins, as in torch); a row of -inf."""
+    torch.manual_seed(vocab)
+    x = torch.randn(6, vocab)
+    x[1, -2] = 100.0
+    x[2, 3], x[2, vocab // 2] = 100.0, 100.0
+    x[3, -3], x[4, vocab // 3] = float("nan"), float("nan")
+    x[5] = float("-inf")
+    assert torch.equal(sampler.argmax(x), x.argmax(dim=-1))
