@@ -27,6 +27,7 @@ KERNEL_NAMES = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "fused_moe",
     "add_lora",
 )
@@ -120,6 +121,8 @@ class KernelBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def fused_moe(
         self,

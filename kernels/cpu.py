@@ -332,6 +332,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.conveyor_cpu.silu_and_mul(x)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """See `conveyor.kernels.reference.gelu_tanh_and_mul`."""
+    return torch.ops.conveyor_cpu.gelu_tanh_and_mul(x)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,

@@ -570,6 +570,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gate with tanh GELU (Gemma's `gelu_pytorch_tanh`): `gelu_tanh(x[:, :I]) * x[:, I:]`.
+    x: `[num_tokens, 2 * I]` -> `[num_tokens, I]`."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,

@@ -337,46 +337,58 @@ std::tuple<Tensor, Tensor> rotary_embedding(const Tensor& positions, const Tenso
   return {q_out, k_out};
 }
 
-// dst[i] = T(silu(gate[i])) * up[i] for i < n.
+// 2 sqrt(2 / pi): tanh GELU is g * sigmoid(kGelu2Z * (g + 0.044715 g^3)), as (1 + tanh(t)) / 2 =
+// sigmoid(2 t) (Hendrycks & Gimpel's tanh approximation, torch's gelu(approximate="tanh")).
+constexpr float kGelu2Z = 1.5957691216057308f;
+constexpr float kGeluCubic = 0.044715f;
+
+// dst[i] = T(act(gate[i])) * up[i] for i < n, act = SiLU, or tanh GELU with gelu: both g * sigmoid(z),
+// z = g or kGelu2Z * g * (1 + 0.044715 g^2).
 template <typename T>
-void silu_and_mul_row(const T* gate, const T* up, T* dst, int64_t n) {
+void gated_row(const T* gate, const T* up, T* dst, int64_t n, bool gelu) {
   int64_t i = 0;
 #if defined(CONVEYOR_SIMD_AVX512)
   if constexpr (simd::kVectorType<T>) {
-    const Simd::Vec one = Simd::set1(1.f);
+    const Simd::Vec one = Simd::set1(1.f), two_z = Simd::set1(kGelu2Z), cubic = Simd::set1(kGeluCubic);
     for (; i + Simd::kLanes <= n; i += Simd::kLanes) {
       const Simd::Vec g = Simd::load(gate + i);
-      const Simd::Vec silu = Simd::div(g, Simd::add(one, exp_ps(Simd::sub(Simd::zero(), g))));
-      Simd::store(dst + i, Simd::mul(round_to<T>(silu), Simd::load(up + i)));
+      const Simd::Vec z =
+          gelu ? Simd::mul(Simd::mul(g, two_z), Simd::fmadd(Simd::mul(g, g), cubic, one)) : g;
+      const Simd::Vec act = Simd::div(g, Simd::add(one, exp_ps(Simd::sub(Simd::zero(), z))));
+      Simd::store(dst + i, Simd::mul(round_to<T>(act), Simd::load(up + i)));
     }
   }
 #endif
   for (; i < n; ++i) {
     const float g = load(gate, i);
-    dst[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * load(up, i));
+    const float z = gelu ? g * kGelu2Z * (1.f + kGeluCubic * g * g) : g;
+    dst[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-z))) * load(up, i));
   }
 }
 
-// out = T(silu(gate)) * up, as reference.silu_and_mul rounds it.
-Tensor silu_and_mul(const Tensor& x) {
+Tensor gated_and_mul(const Tensor& x, bool gelu) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must be [num_tokens, 2 * intermediate_size]");
   const int64_t num_tokens = x.size(0), inter = x.size(1) / 2;
   Tensor out = at::empty({num_tokens, inter}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gated_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* gate = xp + t * x.stride(0);
-        const scalar_t* up = gate + inter;
-        scalar_t* dst = op + t * inter;
-        silu_and_mul_row(gate, up, dst, inter);
+        gated_row(gate, gate + inter, op + t * inter, inter, gelu);
       }
     });
   });
   return out;
 }
+
+// out = T(silu(gate)) * up, as reference.silu_and_mul rounds it.
+Tensor silu_and_mul(const Tensor& x) { return gated_and_mul(x, false); }
+
+// out = T(gelu_tanh(gate)) * up, as reference.gelu_tanh_and_mul rounds it.
+Tensor gelu_tanh_and_mul(const Tensor& x) { return gated_and_mul(x, true); }
 
 // ----------------------------------------------------------------------------------------- KV cache
 
@@ -732,6 +744,7 @@ CONVEYOR_LIBRARY(CONVEYOR_CPU_NAMESPACE, m) {
       "Tensor)",
       &rotary_embedding);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor", &gelu_tanh_and_mul);
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()",

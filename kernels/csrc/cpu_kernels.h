@@ -19,6 +19,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
                                                     const at::Tensor& key, const at::Tensor& cos_sin_cache);
 
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& slot_mapping);

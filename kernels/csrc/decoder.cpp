@@ -146,15 +146,14 @@ void prefill_attention(const Tensor& out, const Tensor& query, const Tensor& key
                                layout.q_lens, layout.starts, lengths, scale);
 }
 
-// The gated MLP's activation: SiLU(gate) * up with the C++ kernel, or tanh-GELU(gate) * up in ATen,
-// as conveyor.server.model.models.llama.LlamaMLP computes them.
+// The gated MLP's activation: SiLU(gate) * up or tanh-GELU(gate) * up, with the C++ kernels
+// conveyor.server.model.models.llama.LlamaMLP calls too.
 Tensor gated_activation(const Tensor& gate_up, int64_t activation) {
   if (activation == kSilu) {
     return conveyor::cpu::silu_and_mul(gate_up);
   }
   TORCH_CHECK(activation == kGeluTanh, "unknown activation ", activation);
-  const auto halves = gate_up.chunk(2, -1);
-  return at::gelu(halves[0], "tanh") * halves[1];
+  return conveyor::cpu::gelu_tanh_and_mul(gate_up);
 }
 
 // hidden: `[num_tokens, hidden_size]`, the embedded tokens. Returns the final RMSNorm of the last layer's

@@ -15,7 +15,7 @@ from conveyor.kernels.triton.paged_attention import paged_attention
 from conveyor.kernels.triton.reshape_and_cache import reshape_and_cache
 from conveyor.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from conveyor.kernels.triton.rotary_embedding import rotary_embedding
-from conveyor.kernels.triton.silu_and_mul import silu_and_mul
+from conveyor.kernels.triton.silu_and_mul import gelu_tanh_and_mul, silu_and_mul
 
 
 def prepare_metadata(
@@ -35,6 +35,7 @@ __all__ = [
     "add_lora",
     "fused_add_rms_norm",
     "fused_moe",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "prepare_metadata",
     "reshape_and_cache",

@@ -630,10 +630,13 @@ def test_rotary_embedding(backend: ModuleType, layout, dtype, partial, poisoned_
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("intermediate_size", [1536, 100, 3000])
-def test_silu_and_mul(backend: ModuleType, intermediate_size: int, dtype, poisoned_empty):
+@pytest.mark.parametrize("activation", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_gated_activations(
+    backend: ModuleType, activation: str, intermediate_size: int, dtype, poisoned_empty
+):
     x = (torch.randn(6, 2 * intermediate_size, generator=torch.Generator().manual_seed(34)) * 4).to(dtype)
-    out = backend.silu_and_mul(x)
-    torch.testing.assert_close(out, ref.silu_and_mul(x), **_tol(dtype))
+    out = getattr(backend, activation)(x)
+    torch.testing.assert_close(out, getattr(ref, activation)(x), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -110,6 +110,7 @@ def test_norms_rotary_and_silu(ops, dtype) -> None:
             torch.testing.assert_close(got, want, **tol)
     gate_up = torch.randn(13, 2 * 1536 + 2, generator=g).to(dtype)[:, :-2]  # a strided view
     torch.testing.assert_close(ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), **tol)
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(gate_up), ref.gelu_tanh_and_mul(gate_up), **tol)
 
 
 def test_compile_flags_follow_disable_avx512(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -277,6 +277,16 @@ def test_silu_and_mul_matches_definition():
     torch.testing.assert_close(ref.silu_and_mul(x), gate * torch.sigmoid(gate) * up)
 
 
+def test_gelu_tanh_and_mul_matches_definition_and_its_sigmoid_form():
+    """0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) * up, and the sigmoid form the cpu and triton
+    kernels compute, in float64."""
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4
+    gate, up = x[:, :5], x[:, 5:]
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    torch.testing.assert_close(ref.gelu_tanh_and_mul(x), 0.5 * gate * (1 + torch.tanh(inner)) * up)
+    torch.testing.assert_close(ref.gelu_tanh_and_mul(x), gate * torch.sigmoid(2 * inner) * up)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_matches_the_per_token_definition(dtype: torch.dtype):
     """Each token's output is the routing-weighted sum of its chosen experts' SwiGLU MLPs; experts no

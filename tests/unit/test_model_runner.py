@@ -40,6 +40,7 @@ def _recording_backend(calls: dict[str, list]) -> SimpleNamespace:
         rms_norm=ref.rms_norm,
         fused_add_rms_norm=ref.fused_add_rms_norm,
         silu_and_mul=ref.silu_and_mul,
+        gelu_tanh_and_mul=ref.gelu_tanh_and_mul,
     )
 
 

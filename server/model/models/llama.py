@@ -390,9 +390,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.activation == "silu":
             hidden = self.ops.silu_and_mul(gate_up)
-        else:  # GeGLU with tanh GELU (Gemma): a torch op in every backend
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.gelu(gate, approximate="tanh") * up
+        else:  # GeGLU with tanh GELU (Gemma)
+            hidden = self.ops.gelu_tanh_and_mul(gate_up)
         return self.tp.all_reduce(self.down_proj(hidden))
 
 
