@@ -168,6 +168,19 @@ def _engine(path, backend: str, max_model_len: int = 512, **model):
     )
 
 
+def _small_pool_engine(path, backend: str, kv_cache_memory: int):
+    """The engine on the model at `path` in float32 with a KV pool of `kv_cache_memory` bytes, 128-token
+    sequences, 32-token steps and at most 5 sequences: a pool small enough to preempt."""
+    return build_engine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), dtype="float32", max_model_len=128),
+            cache=CacheConfig(kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=5),
+            device=DeviceConfig(device="cpu", attention_backend=backend),
+        )
+    )
+
+
 def _saved_random_model(config, tokenizer, path):
     """transformers' model of `config` with the embedded tokenizer's vocabulary, random weights (seed 0),
     saved with the tokenizer in Hugging Face layout at `path`; returned in eval mode."""
@@ -345,14 +358,7 @@ def test_mixture_of_experts_under_preemption_and_prefix_caching_matches_transfor
     )
     hf = _saved_random_model(config, tokenizer, tmp_path)
     kv_bytes_per_token = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * 32 * 4
-    engine = build_engine(
-        EngineConfig(
-            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=128),
-            cache=CacheConfig(kv_cache_memory=8 * 16 * kv_bytes_per_token),
-            scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=5),
-            device=DeviceConfig(device="cpu", attention_backend=backend),
-        )
-    )
+    engine = _small_pool_engine(tmp_path, backend, 8 * 16 * kv_bytes_per_token)
     assert engine.limits.num_kv_blocks == 8
     prefix = tokenizer("A long prompt " * 10)["input_ids"][:40]
     ids = [prefix + tokenizer(f" number {i}")["input_ids"] for i in range(5)]
@@ -427,14 +433,7 @@ def test_sliding_layers_hold_their_window_under_preemption_and_prefix_caching(ba
 
     hf = _saved_random_model(_config("gemma3"), tokenizer, tmp_path)
     layer_bytes = 2 * SHAPE["num_key_value_heads"] * 48 * 4  # K and V of one layer, float32
-    engine = build_engine(
-        EngineConfig(
-            model=ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=128),
-            cache=CacheConfig(kv_cache_memory=16 * 16 * layer_bytes),
-            scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=5),
-            device=DeviceConfig(device="cpu", attention_backend=backend),
-        )
-    )
+    engine = _small_pool_engine(tmp_path, backend, 16 * 16 * layer_bytes)
     kv, limits = engine.kv_cache, engine.limits
     assert kv.window is not None and (limits.num_kv_blocks, limits.num_window_blocks) == (8, 8)
     prefix = tokenizer("A long prompt " * 10)["input_ids"][:40]
