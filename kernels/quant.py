@@ -273,11 +273,15 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     split). An all-zero row gets d = 0. Raises ValueError when in_features is not a whole number of
     32-value groups."""
     out_features, in_features = weight.shape
-    row_bytes(Int8Format.INT8, in_features)  # raises for a partial group
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
-    q = torch.round(w / torch.where(scale == 0, 1.0, scale)).clamp_(-127, 127).to(torch.int8)
-    blocks = torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], dim=1)
+    blocks = torch.empty(out_features, row_bytes(Int8Format.INT8, in_features), dtype=torch.uint8)
+    # In chunks of rows (8 MiB of float32 each), so the float temporaries stay small beside a 1 GB table.
+    chunk = max(1, (8 << 20) // (4 * in_features))
+    for start in range(0, out_features, chunk):
+        w = weight[start : start + chunk].detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+        q = torch.round(w / torch.where(scale == 0, 1.0, scale)).clamp_(-127, 127).to(torch.int8)
+        blocks[start : start + chunk, :4] = scale.view(torch.uint8)
+        blocks[start : start + chunk, 4:] = q.view(torch.uint8)
     return QuantizedWeight(((Int8Format.INT8, blocks),), in_features)
 
 

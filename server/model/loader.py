@@ -22,6 +22,7 @@ then gets the embedded model's tokenizer (logged).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib.util
@@ -31,11 +32,12 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from conveyor.server.config import NATIVE_MODEL_TYPES
 from conveyor.server.model.models.llama import LlamaForCausalLM, ModelShape
@@ -356,15 +358,14 @@ def load_model(
     """
     shape = ModelShape.from_hf_config(config)
     if load_format == "dummy":
-        model = _dummy_model(shape, dtype, device, ops, tp, expert_parallel)
+        model = _dummy_model(shape, dtype, device, ops, tp, expert_parallel, quantization)
         if quantization is not None:
-            _quantize_layers(model, quantization)
             logger.info("weights: %s", describe_weights(model))
     elif quantization == "gguf":
         from conveyor.server.model.gguf_weights import GGUFWeights
 
         assert source.gguf_path is not None
-        with torch.device(device):
+        with torch.device(device), _uninitialized_weights():
             model = LlamaForCausalLM(shape, ops, tp, expert_parallel)
         weights = GGUFWeights(source.gguf_path, config)
         model.load_hf_state_dict(weights)
@@ -376,7 +377,7 @@ def load_model(
                 "dequantized at load (no CPU kernel reads their format): %s", ", ".join(weights.dequantized)
             )
     else:
-        with torch.device(device):
+        with torch.device(device), _uninitialized_weights():
             model = LlamaForCausalLM(shape, ops, tp, expert_parallel)
         directory = Path(source.path)
         if source.gguf_file is None and any(directory.glob("*.safetensors")):
@@ -439,6 +440,22 @@ def check_quantization(
         )
 
 
+@contextlib.contextmanager
+def _uninitialized_weights() -> Iterator[None]:
+    """Linear and embedding layers built inside leave their weights uninitialized: every one is then
+    loaded, drawn at random or replaced by a quantized layer. Memory never written holds no resident
+    pages, so a layer that becomes quantized never costs its float weights: a GGUF start used to pass
+    through the whole model in float32 (Gemma 3 270M Q4_K_M, 235 MiB of blocks, peaked at 3.3 GB
+    resident; an 8B Q4_K_M file would need 32 GB). What accelerate's `init_empty_weights` does for the
+    meta device, without it: the model's buffers (rotary tables) are still computed at construction."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
+
+
 def _weight_parts(model: torch.nn.Module) -> tuple[dict[str, int], dict[str, int], int, int]:
     """(quantized formats -> number of distinct packed weights, float dtype -> parameters, quantized
     bytes, float bytes); a tied embedding and LM head count once."""
@@ -476,11 +493,14 @@ def weights_info(model: torch.nn.Module) -> tuple[str, int]:
     return label, quantized + floats
 
 
-def _quantize_layers(model: LlamaForCausalLM, quantization: str) -> None:
+def _quantize_layers(
+    model: LlamaForCausalLM, quantization: str, fill: Callable[[torch.Tensor], None] | None = None
+) -> None:
     """Every linear layer and the embedding table of `model` in `quantization`, a tied LM head sharing
-    the table's: `int8` quantizes each weight's values per output channel (`kernels.quant.quantize_int8`);
-    a block format (`q4_0` ..., dummy models) draws random blocks (`kernels.quant.random_weight`, fixed
-    seed). Raises ValueError naming a layer whose width is not a whole number of the format's blocks."""
+    the table's: `int8` quantizes each weight's values per output channel (`kernels.quant.quantize_int8`),
+    from values `fill` writes where it is given (dummy weights, one layer at a time); a block format
+    (`q4_0` ..., dummy models) draws random blocks (`kernels.quant.random_weight`, fixed seed). Raises
+    ValueError naming a layer whose width is not a whole number of the format's blocks."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
@@ -492,6 +512,10 @@ def _quantize_layers(model: LlamaForCausalLM, quantization: str) -> None:
         rows, cols = weight.shape
         try:
             if quantization == "int8":
+                if fill is not None:
+                    # Values of their own, freed for the next layer's: the layer's stay unwritten.
+                    weight = torch.empty_like(weight)
+                    fill(weight)
                 return QuantizedLinear(quantize_int8(weight))
             qtype = GGMLQuantizationType[quantization.upper()]
             return QuantizedLinear(random_weight(qtype, rows, cols, generator, DUMMY_WEIGHT_RANGE[1]))
@@ -502,13 +526,15 @@ def _quantize_layers(model: LlamaForCausalLM, quantization: str) -> None:
     model.embed_tokens = QuantizedEmbedding(head)
     if model.shape.tie_word_embeddings:
         model.lm_head = head
-    for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.Linear):
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            layer = quantized(name, module.weight)
-            layer.bias = module.bias
-            setattr(parent, attr, layer)
+    # By name: a list of the modules would keep every replaced float weight alive until the end.
+    for name in [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module = getattr(parent, attr)
+        layer = quantized(name, module.weight)
+        layer.bias = module.bias
+        setattr(parent, attr, layer)
+        del module
 
 
 @torch.no_grad()
@@ -519,24 +545,32 @@ def _dummy_model(
     ops,
     tp: TensorParallel | None,
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     # Parameters are created in `dtype` directly (an 8B model in float32 first would need 32 GB), the
-    # rotary table in float32 as for loaded weights.
+    # rotary table in float32 as for loaded weights. Quantized layers are made before the float weights
+    # get values, so a weight that becomes blocks is never written (never resident).
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _uninitialized_weights():
             model = LlamaForCausalLM(shape, ops, tp, expert_parallel)
     finally:
         torch.set_default_dtype(default)
     model.cos_sin_cache = model.cos_sin_cache.float()
     generator = torch.Generator(device=device).manual_seed(DUMMY_WEIGHT_SEED)
     low, high = DUMMY_WEIGHT_RANGE
-    for param in model.parameters():
-        param.uniform_(low, high, generator=generator)
     logger.info(
         "dummy weights: %.2f B random parameters (%s)",
         sum(p.numel() for p in model.parameters()) / 1e9,
-        str(dtype).removeprefix("torch."),
+        quantization or str(dtype).removeprefix("torch."),
     )
+
+    def fill(param: torch.Tensor) -> None:
+        param.uniform_(low, high, generator=generator)
+
+    if quantization is not None:
+        _quantize_layers(model, quantization, fill)
+    for param in model.parameters():  # what stays in float
+        fill(param)
     return model
