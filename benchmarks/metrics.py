@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -307,6 +308,11 @@ class ModelFlops:
             num_params, config["vocab_size"] * config["hidden_size"], config.get("tie_word_embeddings", True)
         )
 
+    def weight_bytes(self, bytes_per_param: float) -> float:
+        """The bytes a decode step reads from the weights (the decoder layers and the LM head; the
+        embedding lookup reads a row per token) at `bytes_per_param` (4 float32, 2 bfloat16)."""
+        return (self.layer_params + self.lm_head_params) * bytes_per_param
+
 
 # The embedded SmolLM2-135M-Instruct: 134,515,008 parameters, a tied 49,152 x 576 embedding.
 EMBEDDED_MODEL_FLOPS = ModelFlops(134_515_008, 49_152 * 576)
@@ -323,6 +329,36 @@ def model_flops_utilization(
     return 2.0 * work / peak_flops_per_s
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per parameter of a float dtype
+
+
+def copy_bandwidth(size: int = 1 << 30) -> float:
+    """Bytes per second of a `size`-byte copy (read plus written bytes, as STREAM counts a copy), the
+    best of five, over every torch thread."""
+    import torch
+
+    source = torch.ones(size, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size / best
+
+
+def bandwidth_share(weight_bytes: float, tpot_ms: float | None, bandwidth: float) -> float | None:
+    """A decode's share of the memory bandwidth: the weights a step reads (`weight_bytes`) over the
+    median time per output token (a step's time: each running sequence gets one token per step) over
+    `bandwidth` bytes/s (`copy_bandwidth`), so CPU numbers compare across machines (the quantization
+    issue's "% of bandwidth"; Databricks' MBU without the KV cache's reads, so a lower bound). None
+    without a TPOT."""
+    if not tpot_ms or bandwidth <= 0:
+        return None
+    return weight_bytes / (tpot_ms / 1e3) / bandwidth
+
+
 def run_entry(
     system: str,
     scenario: str,
@@ -331,11 +367,18 @@ def run_entry(
     metrics: BenchmarkMetrics,
     mfu: float | None,
     request_rate: float | None = None,
+    *,
+    weight_bytes: float | None = None,
+    bandwidth: float | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """One run as the results files record it: its name, `metrics`, `mfu`, how many successful
-    requests missed their sample's `output_len` (exact lengths are asked for), the first distinct
-    errors, the machine's load average, and `extra` fields."""
+    """One run as the results files record it: its name, `metrics`, `mfu`, `bandwidth_share` (see
+    `bandwidth_share`; None unless the weights' bytes and the copy bandwidth are given), how many
+    successful requests missed their sample's `output_len` (exact lengths are asked for), the first
+    distinct errors, the machine's load average, and `extra` fields."""
+    share = None
+    if weight_bytes is not None and bandwidth is not None:
+        share = bandwidth_share(weight_bytes, metrics.tpot_ms["median"], bandwidth)
     return {
         "name": f"{system} / {scenario}",
         "system": system,
@@ -343,6 +386,7 @@ def run_entry(
         "request_rate": request_rate,
         "metrics": asdict(metrics),
         "mfu": mfu,
+        "bandwidth_share": share,
         "output_len_mismatches": sum(
             1 for r, s in zip(records, samples, strict=True) if r.success and r.output_len != s.output_len
         ),

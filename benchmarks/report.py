@@ -22,19 +22,20 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 
 
 def runs_table(runs: Sequence[Run]) -> str:
-    """One markdown row per run: throughputs, MFU, TTFT / TPOT / ITL / E2E percentiles (ms), goodput."""
+    """One markdown row per run: throughputs, MFU, share of the memory bandwidth (`metrics.bandwidth_share`),
+    TTFT / TPOT / ITL / E2E percentiles (ms), goodput."""
     header = (
-        "| system | scenario | req/s | output tok/s | total tok/s | MFU | TTFT p50 / p99 (ms) "
+        "| system | scenario | req/s | output tok/s | total tok/s | MFU | % of bandwidth | TTFT p50 / p99 (ms) "
         "| TPOT p50 / p99 (ms) | ITL p99 (ms) | E2E p99 (ms) | goodput (req/s) |"
     )
-    lines = [header, "|" + "---|" * 11]
+    lines = [header, "|" + "---|" * 12]
     for run in runs:
         m = run["metrics"]
-        mfu = run.get("mfu")
+        mfu, share = run.get("mfu"), run.get("bandwidth_share")
         lines.append(
             f"| {run['system']} | {run['scenario']} | {m['request_throughput']:.3f} "
             f"| {m['output_throughput']:.1f} | {m['total_token_throughput']:.1f} "
-            f"| {'n/a' if mfu is None else f'{mfu:.2%}'} "
+            f"| {'n/a' if mfu is None else f'{mfu:.2%}'} | {'n/a' if share is None else f'{share:.0%}'} "
             f"| {_fmt(m['ttft_ms']['median'])} / {_fmt(m['ttft_ms']['p99'])} "
             f"| {_fmt(m['tpot_ms']['median'], 1)} / {_fmt(m['tpot_ms']['p99'], 1)} "
             f"| {_fmt(m['itl_ms']['p99'], 1)} | {_fmt(m['e2el_ms']['p99'])} "

@@ -40,10 +40,13 @@ from conveyor.benchmarks import plots, report
 from conveyor.benchmarks.client import RequestSettings, served_model_id
 from conveyor.benchmarks.datasets import SampleRequest, sharegpt_like_dataset, write_jsonl
 from conveyor.benchmarks.metrics import (
+    DTYPE_BYTES,
     EMBEDDED_MODEL_FLOPS,
     ModelFlops,
     RequestRecord,
+    bandwidth_share,
     compute_metrics,
+    copy_bandwidth,
     matmul_flops_per_s,
     model_flops_utilization,
     parse_goodput_slos,
@@ -175,16 +178,29 @@ def environment() -> dict[str, Any]:
 class Bench:
     """Runs scenarios and collects run entries, writing each run's JSON as soon as it finishes."""
 
-    def __init__(self, out: Path, args: argparse.Namespace, peak_flops: float, flops: ModelFlops) -> None:
+    def __init__(
+        self,
+        out: Path,
+        args: argparse.Namespace,
+        peak_flops: float,
+        flops: ModelFlops,
+        bandwidth: float | None = None,
+    ) -> None:
         self.out = out
         self.args = args
         self.peak_flops = peak_flops
         self.flops = flops
+        self.bandwidth = bandwidth  # copy bandwidth, bytes/s (`metrics.copy_bandwidth`)
         self.slos = parse_goodput_slos(args.goodput)
         self.runs: list[dict[str, Any]] = []
         #: Offline requests/s of the first conveyor system run (static when the server has it).
         self.capacity_req_s: float | None = None
         self.capacity_system: str | None = None
+
+    @property
+    def weight_bytes(self) -> float:
+        """The weight bytes a decode step reads, every system in the run's dtype."""
+        return self.flops.weight_bytes(DTYPE_BYTES[self.args.dtype])
 
     def record(
         self,
@@ -204,6 +220,7 @@ class Bench:
             self.flops, metrics.total_token_throughput, metrics.output_throughput, self.peak_flops
         )
         run = run_entry(system, scenario, samples, records, metrics, mfu, request_rate,
+                        weight_bytes=self.weight_bytes, bandwidth=self.bandwidth,
                         static_padding_efficiency=padding.efficiency, **extra)  # fmt: skip
         slug = re.sub(r"[^a-z0-9]+", "_", f"{system} {scenario}".replace("%", "pct").lower()).strip("_")
         (self.out / f"{slug}.json").write_text(json.dumps({**run, "records": [asdict(r) for r in records]}))
@@ -358,6 +375,7 @@ def write_report(
     summary = {
         "environment": env,
         "matmul_peak": peak,
+        "copy_bandwidth_bytes_per_s": bench.bandwidth,
         "num_params": bench.flops.num_params,
         "model_flops": asdict(bench.flops),
         "command": command,
@@ -397,7 +415,14 @@ def write_report(
         f"{env['transformers']}, {bench.args.dtype}, {bench.args.threads} threads, commit {env['commit'][:12]}. "
         f"Matmul rate ({peak['n']}x{peak['n']} torch.mm, {peak['dtype']}): {peak_gflops:.1f} GFLOP/s; "
         f"MFU = (2 x {bench.flops.layer_params:,} layer params x total tok/s + 2 x "
-        f"{bench.flops.lm_head_params:,} LM-head params x output tok/s) / that rate. Load average at start "
+        f"{bench.flops.lm_head_params:,} LM-head params x output tok/s) / that rate. "
+        + (
+            f"Copy bandwidth {bench.bandwidth / 1e9:.1f} GB/s; % of bandwidth = the "
+            f"{bench.weight_bytes / 2**20:.0f} MiB of weights a decode step reads / TPOT p50 / that bandwidth. "
+            if bench.bandwidth
+            else ""
+        )
+        + f"Load average at start "
         f"{env['load_average_start'][0]:.2f}, at end {env['load_average_end'][0]:.2f} (each run's is in summary.json; "
         "other jobs may share the CPU).",
         "",
@@ -459,7 +484,9 @@ def rebuild_report(out: Path) -> int:
     summary = json.loads((out / "summary.json").read_text())
     args = argparse.Namespace(**summary["settings"])
     flops = ModelFlops(**summary["model_flops"]) if "model_flops" in summary else EMBEDDED_MODEL_FLOPS
-    bench = Bench(out, args, summary["matmul_peak"]["flops_per_s"], flops)
+    bench = Bench(
+        out, args, summary["matmul_peak"]["flops_per_s"], flops, summary.get("copy_bandwidth_bytes_per_s")
+    )
     bench.capacity_system = summary["online_capacity"]["system"]
     bench.capacity_req_s = summary["online_capacity"]["requests_per_s"]
     order = {run["name"]: index for index, run in enumerate(summary["runs"])}
@@ -476,6 +503,10 @@ def rebuild_report(out: Path) -> int:
         run["mfu"] = model_flops_utilization(
             bench.flops, metrics.total_token_throughput, metrics.output_throughput, bench.peak_flops
         )
+        if bench.bandwidth:
+            run["bandwidth_share"] = bandwidth_share(
+                bench.weight_bytes, metrics.tpot_ms["median"], bench.bandwidth
+            )
         runs.append(run)
     bench.runs = sorted(runs, key=lambda r: order[r["name"]])
     write_report(
@@ -501,8 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         command = "make bench" + (f" BENCH_ARGS='{' '.join(given)}'" if given else "")
     env = environment()
     peak = measure_matmul_peak(args.dtype, args.threads)
+    bandwidth = copy_bandwidth()
     print(
-        f"[bench] matmul peak {peak['flops_per_s'] / 1e9:.1f} GFLOP/s ({args.dtype}, {args.threads} threads)"
+        f"[bench] matmul peak {peak['flops_per_s'] / 1e9:.1f} GFLOP/s ({args.dtype}, {args.threads} threads), "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
 
     main_samples = sharegpt_like_dataset(
@@ -526,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = load_hf_model(args.dtype)
         flops = ModelFlops.from_config(count_parameters(model), model.config.to_dict())
-    bench = Bench(out, args, peak["flops_per_s"], flops)
+    bench = Bench(out, args, peak["flops_per_s"], flops, bandwidth)
     if not args.skip_conveyor:
         run_conveyor(bench, main_samples, sweep_samples)
     if model is not None:

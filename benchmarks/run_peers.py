@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -46,9 +47,11 @@ from conveyor.benchmarks.baselines import EMBEDDED_GGUF, PAD_TOKEN_ID, embedded_
 from conveyor.benchmarks.client import RequestSettings, served_model_id
 from conveyor.benchmarks.datasets import load_jsonl, to_text
 from conveyor.benchmarks.metrics import (
+    DTYPE_BYTES,
     EMBEDDED_MODEL_FLOPS,
     ModelFlops,
     compute_metrics,
+    copy_bandwidth,
     model_flops_utilization,
     parse_goodput_slos,
     run_entry,
@@ -92,6 +95,21 @@ def latest_results_dir() -> Path:
     return folders[-1]
 
 
+@functools.cache
+def _copy_bandwidth() -> float:
+    """The machine's copy bandwidth (`metrics.copy_bandwidth`), measured once per run, before the servers."""
+    return copy_bandwidth()
+
+
+def bandwidth_note() -> str:
+    """How the tables' "% of bandwidth" column is computed, with the run's copy bandwidth."""
+    return (
+        "% of bandwidth: the weight bytes a decode step reads (the row's dtype, or the GGUF file's blocks) "
+        f"/ TPOT p50 / the copy bandwidth measured before the servers started ({_copy_bandwidth() / 1e9:.1f} "
+        "GB/s)."
+    )
+
+
 def _run_entry(
     system: str,
     scenario: str,
@@ -102,14 +120,21 @@ def _run_entry(
     peak: float | None,
     flops: ModelFlops,
     request_rate: float | None = None,
+    *,
+    weight_bytes: float | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A run as make bench records one (metrics, MFU, exact-length check, errors, load)."""
+    """A run as make bench records one (metrics, MFU, share of the copy bandwidth, exact-length check,
+    errors, load). weight_bytes: what a decode step reads, by default the model's parameters in the
+    run's `dtype`."""
     metrics = compute_metrics(records, duration, parse_goodput_slos(goodput))
     mfu = None
     if peak:
         mfu = model_flops_utilization(flops, metrics.total_token_throughput, metrics.output_throughput, peak)
-    run = run_entry(system, scenario, samples, records, metrics, mfu, request_rate, **extra)
+    if weight_bytes is None and extra.get("dtype") in DTYPE_BYTES:
+        weight_bytes = flops.weight_bytes(DTYPE_BYTES[extra["dtype"]])
+    run = run_entry(system, scenario, samples, records, metrics, mfu, request_rate,
+                    weight_bytes=weight_bytes, bandwidth=_copy_bandwidth(), **extra)  # fmt: skip
     m = metrics
     print(
         f"[peers] {run['name']}: {m.completed} ok, {m.failed} failed, {m.output_throughput:.1f} output tok/s, "
@@ -216,7 +241,7 @@ def run_vllm(
         f"conveyor's `--dtype auto` here is {auto}. Online rows: Poisson arrivals at "
         + ", ".join(f"{f:.0%}" for f in args.online_fractions)
         + " of vLLM's offline capacity at that dtype. MFU: against a same-run `torch.mm` in the row's "
-        "dtype.\n\n" + report.runs_table(runs) + "\n"
+        f"dtype. {bandwidth_note()}\n\n" + report.runs_table(runs) + "\n"
     )
     (results / f"vllm{tag}.md").write_text(text)
     print(text)
@@ -329,9 +354,8 @@ def run_vllm_lora(args: argparse.Namespace, results: Path, samples: list, flops:
         f"cores; both servers on {threads} threads, --max-num-seqs {args.max_num_seqs}, the same {count} "
         f"rank-{rank} PEFT adapters (all seven projections) loaded with `--enable-lora --lora-modules` and "
         f"`--max-loras {count}`; the main workload's requests name the adapters in turn.\n\n"
-        f"conveyor / vLLM offline output throughput: {', '.join(ratios) or 'not measured'}.\n\n"
-        + report.runs_table(runs)
-        + "\n"
+        f"conveyor / vLLM offline output throughput: {', '.join(ratios) or 'not measured'}. "
+        f"{bandwidth_note()}\n\n" + report.runs_table(runs) + "\n"
     )
     (results / "vllm_lora.md").write_text(text)
     print(text)
@@ -379,6 +403,10 @@ def run_llama_cpp(args: argparse.Namespace, results: Path, flops: ModelFlops, su
     samples = [to_text(s, tokenizer) for s in load_jsonl(results / "workload_main.jsonl")]
     single = samples[: args.single_stream]
     peak = summary.get("matmul_peak", {}).get("flops_per_s")
+    from gguf import GGUFReader
+
+    # Both servers read the file's blocks: a decode step reads every tensor's bytes (the table as LM head).
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(Path(embedded_model_dir()) / EMBEDDED_GGUF).tensors)
     logs = Path(tempfile.mkdtemp(prefix="conveyor-peers-"))
     port = free_port()
     command = [
@@ -410,7 +438,7 @@ def run_llama_cpp(args: argparse.Namespace, results: Path, flops: ModelFlops, su
                 run_benchmark(server.base_url, batch, settings, max_concurrency=concurrency)
             )
             run = _run_entry(system, scenario, batch, records, duration, args.goodput, peak, flops,
-                             threads=args.threads)  # fmt: skip
+                             weight_bytes=file_bytes, threads=args.threads)  # fmt: skip
             _save(results, f"{slug}_{scenario.replace('-', '_')}", run, records)
             runs.append(run)
 
@@ -442,7 +470,7 @@ def run_llama_cpp(args: argparse.Namespace, results: Path, flops: ModelFlops, su
         f"text prompts; single-stream: the first {len(single)} requests one at a time. llama-cpp-python "
         "sends no usage when streaming, so its output tokens are its streamed text chunks (a multi-byte "
         "character's tokens arrive as one chunk, which undercounts its throughput slightly). Other rows: "
-        "the make bench run in this folder (float weights).\n\n"
+        f"the make bench run in this folder (float weights). {bandwidth_note()}\n\n"
         f"Offline output throughput, conveyor / llama-cpp-python: **{ratio:.2f}x**; single-stream ITL median "
         f"conveyor {itl[0]:.1f} ms, llama-cpp-python {itl[1]:.1f} ms.\n\n"
         + report.runs_table([*others, *runs])
@@ -490,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     summary_path = results / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     flops = ModelFlops(**summary["model_flops"]) if "model_flops" in summary else EMBEDDED_MODEL_FLOPS
+    print(f"[peers] copy bandwidth {_copy_bandwidth() / 1e9:.1f} GB/s", flush=True)  # before any server
     status = 0
     if "vllm" in args.peers:
         status |= run_vllm(args, results, load_jsonl(results / "workload_main.jsonl"), flops)
