@@ -325,11 +325,50 @@ class SafetensorsWeights(Mapping):
         with safe_open(str(self._files[name]), framework="pt") as f:
             return f.get_tensor(name)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._files
+
     def __iter__(self):
         return iter(self._files)
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+class Int8OnRead(Mapping):
+    """A checkpoint's tensors (`SafetensorsWeights`, a state dict) with every linear layer's weight and
+    the embedding table quantized per output channel as they are read (`--quantization int8`,
+    `kernels.quant.quantize_int8`): the model takes them as it takes a GGUF file's blocks, so each float
+    weight is dropped before the next is read and the float model is never whole in memory (an 8B
+    checkpoint would need 32 GB in float32). Rows quantize on their own, so fusing q/k/v after
+    quantizing equals quantizing the fused weight. Norms, biases, a router and the experts of a
+    mixture-of-experts layer stay float. Raises ValueError naming a weight whose width is not a whole
+    number of 32-value groups."""
+
+    LINEAR = re.compile(r"(^|\.)(embed_tokens|lm_head|[a-z_]*proj)\.weight$")
+
+    def __init__(self, weights: Mapping) -> None:
+        self.weights = weights
+
+    def __getitem__(self, name: str):
+        from conveyor.kernels.quant import quantize_int8
+
+        tensor = self.weights[name]
+        if not self.LINEAR.search(name) or ".experts." in name or tensor.dim() != 2:
+            return tensor
+        try:
+            return quantize_int8(tensor)
+        except ValueError as exc:
+            raise ValueError(f"--quantization int8: {name} {tuple(tensor.shape)}: {exc}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 def load_model(
@@ -380,18 +419,19 @@ def load_model(
         with torch.device(device), _uninitialized_weights():
             model = LlamaForCausalLM(shape, ops, tp, expert_parallel)
         directory = Path(source.path)
+        # int8 from the checkpoint's values, before the cast to `dtype`, one weight at a time.
+        read = Int8OnRead if quantization == "int8" else (lambda weights: weights)
         if source.gguf_file is None and any(directory.glob("*.safetensors")):
-            model.load_hf_state_dict(SafetensorsWeights(directory))
+            model.load_hf_state_dict(read(SafetensorsWeights(directory)))
         else:
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(
                 source.path, gguf_file=source.gguf_file, dtype=torch.float32 if source.gguf_file else dtype
             )
-            model.load_hf_state_dict(hf_model.state_dict())
+            model.load_hf_state_dict(read(hf_model.state_dict()))
             del hf_model
-        if quantization == "int8":  # from the checkpoint's values, before the cast to `dtype`
-            _quantize_layers(model, quantization)
+        if quantization == "int8":
             logger.info("weights: %s", describe_weights(model))
         # Parameters only: the rotary table stays float32 (as transformers keeps it).
         for param in model.parameters():

@@ -6,6 +6,8 @@ stated bound. Measured on a 2-core AVX2 EPYC: gguf exact 0 nats / 100 %, gguf wi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conveyor.benchmarks import quality
@@ -54,3 +56,32 @@ def test_int8_at_load_quantizes_every_layer_and_the_table():
     assert formats == "INT8" and weight_bytes < 134_515_008 * 1.01  # float32: 4 bytes per parameter
     assert engine.limits.quantization == "int8" and engine.limits.weights == "INT8"
     engine.close()
+
+
+def test_int8_weights_are_quantized_as_the_checkpoint_is_read():
+    """`--quantization int8` quantizes each weight as it is read from the checkpoint (`loader.Int8OnRead`),
+    never holding the float model: the fused q/k/v layer holds exactly the bytes of its three float
+    weights quantized together, the tied table those of the checkpoint's table, and norms stay float.
+    A width that is not whole 32-value groups is refused naming the weight."""
+    import torch
+
+    from conveyor.kernels import select_backend
+    from conveyor.kernels.quant import quantize_int8
+
+    source = loader.converted(loader.resolve_model(None))
+    config = loader.load_config(source)
+    _, ops = select_backend("cpu", "cpu")
+    model = loader.load_model(source, config, torch.float32, torch.device("cpu"), ops, "auto", None, "int8")
+    checkpoint = loader.SafetensorsWeights(Path(source.path))
+    attn = "model.layers.3.self_attn."
+    fused = torch.cat([checkpoint[attn + f"{n}_proj.weight"] for n in "qkv"])  # three segments of rows
+    dequantize = torch.ops.conveyor_quant.dequantize
+    held = dequantize(model.layers[3].self_attn.qkv_proj.packed)
+    assert torch.equal(held, dequantize(QuantizedLinear(quantize_int8(fused)).packed))
+    table = dequantize(QuantizedLinear(quantize_int8(checkpoint["lm_head.weight"])).packed)  # saved tied
+    assert torch.equal(dequantize(model.embed_tokens.packed), table)
+    assert model.lm_head.packed is model.embed_tokens.packed
+    assert torch.equal(model.norm.weight, checkpoint["model.norm.weight"].float())
+    reader = loader.Int8OnRead({"model.layers.0.mlp.down_proj.weight": torch.ones(4, 40)})
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight \(4, 40\): 40 values"):
+        reader["model.layers.0.mlp.down_proj.weight"]
