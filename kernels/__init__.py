@@ -200,7 +200,8 @@ def pack_weights(
     On a CPU in float32 or bfloat16 each layer gets the kernels `selection.select_linear_kernels`
     measured fastest for its shape at each row count (the C++ panel kernel only with the C++ backend),
     and with the C++ backend each mixture-of-experts layer its `fused_moe` likewise
-    (`selection.select_moe_kernels`).
+    (`selection.select_moe_kernels`), and the prefill attention its kernel per query row count
+    (`selection.select_prefill_attention`).
     Elsewhere (CUDA, float16) the weights stay as they are. Raises `cpu.CPUKernelBuildError` when the
     C++ kernels cannot be built; ValueError for a bad `CONVEYOR_CPU_KERNELS`.
     """
@@ -214,4 +215,9 @@ def pack_weights(
     experts = selection.select_moe_kernels(model) if backend is cpu else {}
     used += sorted({kernel for table in experts.values() for kernel in table.names()})
     shapes = f"{len(tables)} layer shapes" + (f" and {len(experts)} expert shapes" if experts else "")
-    return f"CPU matmuls ({name}): {shapes}, each with its fastest kernel per row count ({', '.join(used)})"
+    attention = selection.select_prefill_attention(model, dtype) if backend is cpu else None
+    prefill = f"; prefill attention: {attention}" if attention else ""
+    return (
+        f"CPU matmuls ({name}): {shapes}, each with its fastest kernel per row count ({', '.join(used)})"
+        + prefill
+    )

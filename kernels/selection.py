@@ -209,9 +209,13 @@ def cache_dir() -> Path:
     return Path(base) / "conveyor" / "kernels"
 
 
-def machine_key() -> dict[str, str]:
+LINEAR_SOURCES = ("linear.cpp", "quant.cpp", "moe.cpp", "grouped.h")
+
+
+def machine_key(sources: Iterable[str] = LINEAR_SOURCES) -> dict[str, str]:
     """What a measurement depends on besides the layer: the CPU (model name and flags), torch's
-    version and threads, the C++ kernels' build and the linear kernel's source."""
+    version and threads, the C++ kernels' build and the measured kernels' `sources` (files of
+    `kernels/csrc`)."""
     from conveyor.kernels import cpu
 
     cpuinfo = {}
@@ -222,14 +226,12 @@ def machine_key() -> dict[str, str]:
                 cpuinfo.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    source = b"".join(
-        (cpu.CSRC / name).read_bytes() for name in ("linear.cpp", "quant.cpp", "moe.cpp", "grouped.h")
-    )
+    source = b"".join((cpu.CSRC / name).read_bytes() for name in sources)
     return {
         "cpu": cpuinfo.get("model name", platform.processor() or platform.machine()),
         "flags": hashlib.sha256(cpuinfo.get("flags", cpuinfo.get("Features", "")).encode()).hexdigest()[:16],
         "build": cpu._build_name(),
-        "linear_source": hashlib.sha256(source).hexdigest()[:16],
+        "source": hashlib.sha256(source).hexdigest()[:16],
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
         "version": str(TABLE_VERSION),
@@ -371,6 +373,93 @@ def select_moe_kernels(model: nn.Module) -> dict[tuple[int, int, int, int, str],
     return tables
 
 
+# Prompt lengths at which the prefill attention kernels are timed (shorter chunks run the decode kernel,
+# `cpu.MAX_DECODE_KERNEL_QUERY_LEN`); longer prompts keep the last measured bucket's choice.
+PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+PREFILL_KERNELS = ("flash", "sdpa")
+AttentionShape = tuple[int, int, int]  # (query heads, KV heads, head_dim), per tensor-parallel rank
+
+
+def measure_prefill_attention(shape: AttentionShape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
+    """Seconds per call of each PREFILL_KERNELS candidate of `csrc/attention.cpp` for one sequence's
+    causal prefill of each PREFILL_BUCKETS length (queries and paged K/V random, in `dtype`, blocks of
+    16 tokens in shuffled order). Stops after the first bucket whose fastest call exceeds
+    CALL_BUDGET_S. Leaves the shape's dispatch at the last candidate timed (the caller sets it)."""
+    num_heads, num_kv_heads, head_dim = shape
+    generator = torch.Generator().manual_seed(0)
+    block_size, timings = 16, {}
+
+    def run(query: torch.Tensor, kernel: str, caches: tuple, tokens: int) -> torch.Tensor:
+        torch.ops.conveyor_attention.set_prefill_kernels(*shape, [1], [kernel])
+        out = torch.empty_like(query)
+        torch.ops.conveyor_attention.prefill_attention(
+            out, query, *caches, [tokens], [0], [tokens], head_dim**-0.5
+        )
+        return out
+
+    with torch.inference_mode():
+        for tokens in PREFILL_BUCKETS:
+            blocks = -(-tokens // block_size)
+            cache_shape = (blocks, block_size, num_kv_heads, head_dim)
+            key_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+            value_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+            table = torch.randperm(blocks, generator=generator).to(torch.int32).unsqueeze(0)
+            query = torch.randn(tokens, num_heads, head_dim, generator=generator).to(dtype)
+            caches = (key_cache, value_cache, table)
+            fns = {k: partial(run, kernel=k, caches=caches, tokens=tokens) for k in PREFILL_KERNELS}
+            timings[tokens] = time_calls(fns, query)
+            if min(timings[tokens].values()) > CALL_BUDGET_S:
+                break
+    return timings
+
+
+def attention_shape(model: nn.Module) -> AttentionShape | None:
+    """(query heads, KV heads, head_dim) of `model`'s first attention layer (a module with
+    `num_heads`, `num_kv_heads` and `head_dim`), or None if it has none."""
+    for module in model.modules():
+        if all(hasattr(module, name) for name in ("num_heads", "num_kv_heads", "head_dim")):
+            return (int(module.num_heads), int(module.num_kv_heads), int(module.head_dim))
+    return None
+
+
+def select_prefill_attention(model: nn.Module, dtype: torch.dtype) -> RowDispatch | None:
+    """Which C++ prefill attention kernel (`flash`, the repo's own, or `sdpa`, torch's per sequence)
+    runs a sequence of each query row count in `model`'s attention shape, measured here (or read from
+    the cache) or named by `CONVEYOR_CPU_KERNELS` (`sdpa`, `flash,sdpa@512`), and set in the C++
+    library (`set_prefill_kernels`). Logs one line. Returns the dispatch, or None where the flash
+    kernel cannot run (float32, another head_dim, a CPU without AVX512_BF16: torch's kernel is the only
+    one). Raises ValueError for a `CONVEYOR_CPU_KERNELS` naming these kernels badly."""
+    shape = attention_shape(model)
+    if shape is None or not torch.ops.conveyor_attention.flash_supported(
+        torch.empty(1, 1, shape[2], dtype=dtype)
+    ):
+        return None
+    override = os.environ.get(OVERRIDE_ENV, "").strip()
+    names = [part.partition("@")[0].strip() for part in override.split(",")] if override else []
+    if names and all(name in PREFILL_KERNELS for name in names):
+        dispatch, source = parse_override(override, PREFILL_KERNELS), OVERRIDE_ENV
+    else:
+        machine = machine_key(("attention.cpp", "simd.h"))
+        record = {**machine, "attention": "x".join(map(str, shape)), "dtype": str(dtype)}
+        digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+        kind = str(dtype).removeprefix("torch.")
+        path = cache_dir() / f"attention-{'x'.join(map(str, shape))}-{kind}-{digest}.json"
+        timings, source = _cached(
+            path, machine, list(shape), partial(measure_prefill_attention, shape, dtype)
+        )
+        dispatch = choose(timings, PREFILL_KERNELS)
+    firsts = [first for first, _ in dispatch.ranges]
+    torch.ops.conveyor_attention.set_prefill_kernels(*shape, firsts, [name for _, name in dispatch.ranges])
+    logger.info(
+        "prefill attention %s (heads x KV heads x head_dim) %s: %s query rows (%s)",
+        "x".join(map(str, shape)),
+        str(dtype).removeprefix("torch."),
+        dispatch,
+        source,
+    )
+    return dispatch
+
+
 def replace_linear_layers(
     model: nn.Module,
     make: Callable[[nn.Module], nn.Module],
@@ -461,7 +550,8 @@ def select_linear_kernels(
                 forced[kind] = parse_override(override, factories)
             except ValueError as exc:
                 errors.append(exc)
-        if not forced:
+        names = {part.partition("@")[0].strip() for part in override.split(",")}
+        if not forced and not names <= set(PREFILL_KERNELS):
             raise errors[0]
     first_of_shape: dict[tuple[int, int, str], nn.Module] = {}
     for module in model.modules():

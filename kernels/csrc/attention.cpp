@@ -18,8 +18,11 @@
 // Everything else (float32, another head_dim, builds without AVX512_BF16) runs torch's
 // scaled_dot_product_attention per sequence, as the reference does.
 //
-// Against torch's CPU flash attention on 2 AVX512_BF16 cores (9 query heads, 3 KV heads, head_dim 64):
-// see conveyor.kernels.cpu.paged_attention's docstring for the measured rates.
+// Neither wins on every CPU: on a 2-core AVX512_BF16 EPYC the flash kernel takes a third of torch's time
+// at 1,024 tokens, on a 2-core Xeon with AMX tiles (whose bfloat16 GEMMs torch's kernel reaches through
+// oneDNN) three times torch's. So which one runs a sequence of a given number of query rows is set at
+// start from a measurement on the machine (`set_prefill_kernels`, conveyor.kernels.selection); until
+// then the flash kernel runs wherever it can.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +33,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "simd.h"
@@ -223,6 +229,41 @@ void flash_sequence(const Tensor& out, const Tensor& query, const Tensor& key_ca
 
 }  // namespace
 
+// Which kernel runs a sequence of q_len query rows where the flash kernel can, per attention shape
+// (query heads, KV heads, head_dim): ranges of (first q_len, flash?) ascending from 1, set at start
+// (set_prefill_kernels), read by every call after. A shape without ranges runs the flash kernel.
+using Shape = std::tuple<int64_t, int64_t, int64_t>;
+std::map<Shape, std::vector<std::pair<int64_t, bool>>>& prefill_ranges() {
+  static std::map<Shape, std::vector<std::pair<int64_t, bool>>> ranges;
+  return ranges;
+}
+
+bool flash_for(const Shape& shape, int64_t q_len) {
+  const auto it = prefill_ranges().find(shape);
+  if (it == prefill_ranges().end()) return true;
+  bool flash = true;
+  for (const auto& [first, use_flash] : it->second) {
+    if (q_len >= first) flash = use_flash;
+  }
+  return flash;
+}
+
+// kernels[i] ("flash" or "sdpa") runs the sequences of first_rows[i] query rows up to the next range's,
+// for layers of num_heads query heads over num_kv_heads KV heads of head_dim.
+void set_prefill_kernels(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::IntArrayRef first_rows,
+                         const std::vector<std::string>& kernels) {
+  TORCH_CHECK(!first_rows.empty() && first_rows.size() == kernels.size() && first_rows[0] == 1,
+              "set_prefill_kernels: first_rows must start at 1 and name one kernel each");
+  std::vector<std::pair<int64_t, bool>> ranges;
+  for (size_t i = 0; i < first_rows.size(); ++i) {
+    TORCH_CHECK(i == 0 || first_rows[i] > first_rows[i - 1], "set_prefill_kernels: first_rows must ascend");
+    TORCH_CHECK(kernels[i] == "flash" || kernels[i] == "sdpa", "set_prefill_kernels: unknown kernel '",
+                kernels[i], "' (flash or sdpa)");
+    ranges.emplace_back(first_rows[i], kernels[i] == "flash");
+  }
+  prefill_ranges()[Shape{num_heads, num_kv_heads, head_dim}] = std::move(ranges);
+}
+
 bool flash_supported(const Tensor& query) {
 #if defined(__AVX512BF16__)
   return query.scalar_type() == at::kBFloat16 && query.size(-1) % 32 == 0 && query.stride(-1) == 1;
@@ -237,10 +278,11 @@ void prefill(const Tensor& out, const Tensor& query, const Tensor& key_cache, co
              const std::vector<int64_t>& starts, const std::vector<int64_t>& seq_lens, double scale) {
   const bool flash = flash_supported(query) && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                      out.stride(-1) == 1;
+  const Shape shape{query.size(1), key_cache.size(2), query.size(2)};
   for (size_t i = 0; i < seqs.size(); ++i) {
     const Tensor table = block_tables[seqs[i]];
 #if defined(__AVX512BF16__)
-    if (flash) {
+    if (flash && flash_for(shape, q_lens[i])) {
       flash_sequence(out, query, key_cache, value_cache, table, starts[i], q_lens[i], seq_lens[i], scale);
       continue;
     }
@@ -281,4 +323,5 @@ CONVEYOR_LIBRARY(CONVEYOR_ATTENTION_NAMESPACE, m) {
         "Tensor block_tables, int[] q_lens, int[] starts, int[] seq_lens, float scale) -> ()",
         &conveyor::attention::prefill_op);
   m.def("flash_supported(Tensor query) -> bool", &conveyor::attention::flash_op);
+  m.def("set_prefill_kernels(int num_heads, int num_kv_heads, int head_dim, int[] first_rows, str[] kernels) -> ()", &conveyor::attention::set_prefill_kernels);
 }

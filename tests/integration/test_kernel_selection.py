@@ -134,3 +134,40 @@ def test_experts_run_the_kernel_their_table_names_and_a_real_measurement_is_cach
         assert selection.select_moe_kernels(moe) == first
     assert "measured in" in caplog.text and "(cached)" in caplog.text
     torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
+
+
+class _Attention(nn.Module):
+    """What `selection.attention_shape` reads off a model's attention layer."""
+
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+
+
+def test_prefill_attention_gets_its_measured_kernel_per_query_rows(monkeypatch, caplog):
+    """Made-up timings (flash faster up to 256 query rows, torch's kernel from 512 on) give that split;
+    then a real measurement on this CPU is cached and read back, and the override skips it. float32 has
+    only torch's kernel: nothing is measured."""
+    model = nn.Sequential(_Attention())
+    assert selection.select_prefill_attention(model, torch.float32) is None
+    if not torch.ops.conveyor_attention.flash_supported(torch.zeros(1, 1, 64, dtype=torch.bfloat16)):
+        pytest.skip("this CPU has no AVX512_BF16: torch's prefill kernel is the only one")
+    fake = {b: {"flash": 1.0 if b <= 256 else 2.0, "sdpa": 2.0 if b <= 256 else 1.0} for b in (32, 256, 512)}
+    real = selection.measure_prefill_attention
+    monkeypatch.setattr(selection, "measure_prefill_attention", lambda shape, dtype: fake)
+    try:
+        table = selection.select_prefill_attention(model, torch.bfloat16)
+        assert str(table) == "flash 1-256, sdpa 257+"
+        monkeypatch.setattr(selection, "measure_prefill_attention", real)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(Path(os.environ["XDG_CACHE_HOME"]) / "real"))
+        with caplog.at_level(logging.INFO, logger="conveyor.kernels.selection"):
+            first = selection.select_prefill_attention(model, torch.bfloat16)
+            assert selection.select_prefill_attention(model, torch.bfloat16) == first
+        assert set(first.names()) <= {"flash", "sdpa"}
+        assert "prefill attention 9x3x64" in caplog.text and "measured in" in caplog.text
+        assert caplog.records[-1].getMessage().endswith("(cached)")
+        monkeypatch.setenv(selection.OVERRIDE_ENV, "flash,sdpa@128")
+        monkeypatch.setattr(selection, "measure_prefill_attention", lambda *a: pytest.fail("measured"))
+        assert str(selection.select_prefill_attention(model, torch.bfloat16)) == "flash 1-127, sdpa 128+"
+        # the linear layers' selection accepts a value that names only these kernels
+        assert selection.select_linear_kernels(tiny_llama(False, torch.float32), torch.float32, panel=True)
+    finally:
+        torch.ops.conveyor_attention.set_prefill_kernels(9, 3, 64, [1], ["flash"])

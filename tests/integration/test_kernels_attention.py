@@ -87,3 +87,35 @@ def test_the_flash_kernel_runs_where_the_cpu_has_bfloat16_dot_products(ops, requ
     assert ops.flash_supported(torch.zeros(2, 3, 64, dtype=torch.bfloat16)) == native
     assert not ops.flash_supported(torch.zeros(2, 3, 64))  # float32
     assert not ops.flash_supported(torch.zeros(2, 3, 80, dtype=torch.bfloat16))
+
+
+def test_the_chosen_kernel_runs_each_sequence_by_its_query_rows():
+    """`set_prefill_kernels` (what `selection.select_prefill_attention` sets at start): the flash kernel
+    up to 64 query rows, torch's from 65 on, for this attention shape only; each sequence's rows equal
+    that kernel's alone, bit for bit. A bad table is refused with a message."""
+    ops = cpu_build_ops("attention.cpp", "CONVEYOR_ATTENTION_NAMESPACE", None, "conveyor_attention")
+    case = (9, 3, 64, [64, 100], [64, 300], 16)
+    query, key_cache, value_cache, tables, starts = _inputs(*case, torch.bfloat16)
+    if not ops.flash_supported(query):
+        pytest.skip("this CPU has no AVX512_BF16: torch's kernel is the only one")
+    q_lens, seq_lens = case[3], case[4]
+
+    def run(first_rows, kernels, heads=(9, 3, 64)):
+        ops.set_prefill_kernels(*heads, first_rows, kernels)
+        out = torch.zeros_like(query)
+        ops.prefill_attention(out, query, key_cache, value_cache, tables, q_lens, starts, seq_lens, 0.125)
+        return out
+
+    try:
+        flash, sdpa = run([1], ["flash"]), run([1], ["sdpa"])
+        assert not torch.equal(flash[64:], sdpa[64:])  # the two kernels round differently
+        split = run([1, 65], ["flash", "sdpa"])
+        assert torch.equal(split[:64], flash[:64]) and torch.equal(split[64:], sdpa[64:])
+        # another shape's table leaves this one's alone
+        assert torch.equal(run([1], ["flash"], heads=(8, 8, 128)), split)
+        with pytest.raises(RuntimeError, match="unknown kernel 'tiles'"):
+            ops.set_prefill_kernels(9, 3, 64, [1], ["tiles"])
+        with pytest.raises(RuntimeError, match="must start at 1"):
+            ops.set_prefill_kernels(9, 3, 64, [2], ["sdpa"])
+    finally:
+        ops.set_prefill_kernels(9, 3, 64, [1], ["flash"])

@@ -110,7 +110,7 @@ MACHINE = {
     "cpu": "AMD EPYC",
     "flags": "abc",
     "build": "b",
-    "linear_source": "s",
+    "source": "s",
     "torch": "2",
     "threads": "2",
     "version": "1",
