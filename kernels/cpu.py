@@ -259,13 +259,13 @@ def paged_attention(
     (draft tokens, a short chunk) against the keys up to its own position, use the C++ kernel, which
     with a sliding window starts its walk at the window's first key; a step of decodes only needs no
     host sync. Longer prefill rows run `csrc/attention.cpp`: in bfloat16 with AVX512_BF16 (and a
-    head_dim that is a multiple of 32) a flash-attention kernel on `vdpbf16ps` or torch's
-    flash-attention kernel for CPU per sequence, whichever was measured faster at the sequence's query
-    rows (`selection.select_prefill_attention`), otherwise torch's. 9 query heads over 3 KV heads of
-    head_dim 64, causal, one sequence: on a 2-core AVX512_BF16 EPYC 3.8 ms a layer at 1,024 tokens
-    against torch's 10.0 (320 against 120 GFLOP/s), 61.7 ms at 4,096 against 121.0; on a 2-core Xeon
-    with AMX 10.6 against torch's 3.5 ms at 1,024, 147 against 37 at 4,096 (torch's kernel reaches AMX
-    through oneDNN). With a sliding window or a soft cap they run the
+    head_dim that is a multiple of 32) a flash-attention kernel on `vdpbf16ps`, the same on AMX tiles,
+    or torch's flash-attention kernel for CPU per sequence, whichever was measured fastest at the
+    sequence's query rows (`selection.select_prefill_attention`), otherwise torch's. 9 query heads over
+    3 KV heads of head_dim 64, causal, one sequence: on a 2-core AVX512_BF16 EPYC 3.8 ms a layer at
+    1,024 tokens against torch's 10.0 (320 against 120 GFLOP/s), 61.7 ms at 4,096 against 121.0; on a
+    2-core Xeon with AMX the AMX kernel 2.0 ms at 1,024 and 26.4 at 4,096, torch's 3.6 and 40.6 (it
+    reaches AMX through oneDNN), the `vdpbf16ps` kernel 10.4 and 150. With a sliding window or a soft cap they run the
     reference's `prefill_attention`, which gathers no block before the chunk's first window; a window at
     least `max_seq_len` long cuts nothing and is dropped first (Gemma 3's 512-token local layers on
     shorter sequences take the fast kernels).

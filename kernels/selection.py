@@ -376,12 +376,27 @@ def select_moe_kernels(model: nn.Module) -> dict[tuple[int, int, int, int, str],
 # Prompt lengths at which the prefill attention kernels are timed (shorter chunks run the decode kernel,
 # `cpu.MAX_DECODE_KERNEL_QUERY_LEN`); longer prompts keep the last measured bucket's choice.
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-PREFILL_KERNELS = ("flash", "sdpa")
+PREFILL_KERNELS = ("flash", "amx", "sdpa")
 AttentionShape = tuple[int, int, int]  # (query heads, KV heads, head_dim), per tensor-parallel rank
 
 
-def measure_prefill_attention(shape: AttentionShape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
-    """Seconds per call of each PREFILL_KERNELS candidate of `csrc/attention.cpp` for one sequence's
+def prefill_candidates(head_dim: int, dtype: torch.dtype) -> list[str]:
+    """The prefill attention kernels of `csrc/attention.cpp` that can run `dtype` heads of `head_dim`
+    here: `flash` (bfloat16 on AVX512_BF16, head_dim a multiple of 32), `amx` (the same on AMX tiles,
+    where the build and the CPU have them) and `sdpa` (torch's, always)."""
+    query = torch.empty(1, 1, head_dim, dtype=dtype)
+    available = {
+        "flash": torch.ops.conveyor_attention.flash_supported(query),
+        "amx": torch.ops.conveyor_attention.amx_supported(query),
+        "sdpa": True,
+    }
+    return [name for name in PREFILL_KERNELS if available[name]]
+
+
+def measure_prefill_attention(
+    shape: AttentionShape, dtype: torch.dtype, candidates: Iterable[str]
+) -> dict[int, dict[str, float]]:
+    """Seconds per call of each of `candidates` (PREFILL_KERNELS) for one sequence's
     causal prefill of each PREFILL_BUCKETS length (queries and paged K/V random, in `dtype`, blocks of
     16 tokens in shuffled order). Stops after the first bucket whose fastest call exceeds
     CALL_BUDGET_S. Leaves the shape's dispatch at the last candidate timed (the caller sets it)."""
@@ -406,7 +421,7 @@ def measure_prefill_attention(shape: AttentionShape, dtype: torch.dtype) -> dict
             table = torch.randperm(blocks, generator=generator).to(torch.int32).unsqueeze(0)
             query = torch.randn(tokens, num_heads, head_dim, generator=generator).to(dtype)
             caches = (key_cache, value_cache, table)
-            fns = {k: partial(run, kernel=k, caches=caches, tokens=tokens) for k in PREFILL_KERNELS}
+            fns = {k: partial(run, kernel=k, caches=caches, tokens=tokens) for k in candidates}
             timings[tokens] = time_calls(fns, query)
             if min(timings[tokens].values()) > CALL_BUDGET_S:
                 break
@@ -423,31 +438,34 @@ def attention_shape(model: nn.Module) -> AttentionShape | None:
 
 
 def select_prefill_attention(model: nn.Module, dtype: torch.dtype) -> RowDispatch | None:
-    """Which C++ prefill attention kernel (`flash`, the repo's own, or `sdpa`, torch's per sequence)
-    runs a sequence of each query row count in `model`'s attention shape, measured here (or read from
-    the cache) or named by `CONVEYOR_CPU_KERNELS` (`sdpa`, `flash,sdpa@512`), and set in the C++
-    library (`set_prefill_kernels`). Logs one line. Returns the dispatch, or None where the flash
-    kernel cannot run (float32, another head_dim, a CPU without AVX512_BF16: torch's kernel is the only
-    one). Raises ValueError for a `CONVEYOR_CPU_KERNELS` naming these kernels badly."""
+    """Which C++ prefill attention kernel (`prefill_candidates`: the repo's `flash` and `amx`, torch's
+    `sdpa`) runs a sequence of each query row count in `model`'s attention shape, measured here (or
+    read from the cache) or named by `CONVEYOR_CPU_KERNELS` (`sdpa`, `flash,amx@512`), and set in the
+    C++ library (`set_prefill_kernels`). Logs one line. Returns the dispatch, or None where torch's
+    kernel is the only one (float32, another head_dim, a CPU without AVX512_BF16). Raises ValueError
+    for a `CONVEYOR_CPU_KERNELS` naming these kernels badly or one this CPU cannot run."""
     shape = attention_shape(model)
-    if shape is None or not torch.ops.conveyor_attention.flash_supported(
-        torch.empty(1, 1, shape[2], dtype=dtype)
-    ):
+    candidates = prefill_candidates(shape[2], dtype) if shape is not None else []
+    if len(candidates) < 2:
         return None
     override = os.environ.get(OVERRIDE_ENV, "").strip()
     names = [part.partition("@")[0].strip() for part in override.split(",")] if override else []
     if names and all(name in PREFILL_KERNELS for name in names):
-        dispatch, source = parse_override(override, PREFILL_KERNELS), OVERRIDE_ENV
+        dispatch, source = parse_override(override, candidates), OVERRIDE_ENV
     else:
         machine = machine_key(("attention.cpp", "simd.h"))
-        record = {**machine, "attention": "x".join(map(str, shape)), "dtype": str(dtype)}
+        record = {
+            **machine,
+            "attention": "x".join(map(str, shape)),
+            "dtype": str(dtype),
+            "candidates": ",".join(candidates),
+        }
         digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
         kind = str(dtype).removeprefix("torch.")
         path = cache_dir() / f"attention-{'x'.join(map(str, shape))}-{kind}-{digest}.json"
-        timings, source = _cached(
-            path, machine, list(shape), partial(measure_prefill_attention, shape, dtype)
-        )
-        dispatch = choose(timings, PREFILL_KERNELS)
+        measure_now = partial(measure_prefill_attention, shape, dtype, candidates)
+        timings, source = _cached(path, machine, list(shape), measure_now)
+        dispatch = choose(timings, candidates)
     firsts = [first for first, _ in dispatch.ranges]
     torch.ops.conveyor_attention.set_prefill_kernels(*shape, firsts, [name for _, name in dispatch.ranges])
     logger.info(

@@ -203,6 +203,21 @@ inline Simd::Vec exp_ps(Simd::Vec x) {
   }
   return Simd::ldexp(p, n);
 }
+
+// 2^t lane by lane for t <= 0 (softmax terms already shifted by their maximum): 2^n * 2^f with f in
+// [-0.5, 0.5], 2^f by its degree-5 Taylor polynomial (relative error < 3e-7); t below -126 gives
+// 2^-126, which a caller masking its -inf lanes replaces by 0.
+inline Simd::Vec exp2_ps(Simd::Vec t) {
+  t = Simd::max(t, Simd::set1(-126.0f));
+  const Simd::Vec n = Simd::round(t);
+  const Simd::Vec f = Simd::sub(t, n);
+  Simd::Vec p = Simd::set1(1.3333558146428443e-3f);
+  for (const float c : {9.618129107628477e-3f, 5.550410866482158e-2f, 2.402265069591007e-1f,
+                        6.931471805599453e-1f, 1.0f}) {
+    p = Simd::fmadd(p, f, Simd::set1(c));
+  }
+  return Simd::ldexp(p, n);
+}
 #endif  // CONVEYOR_SIMD_VECTOR
 
 // Fetches num_elements from p into cache ahead of their use: into L1 by default (prefetcht0), into L2

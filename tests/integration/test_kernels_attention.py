@@ -1,6 +1,7 @@
 """The C++ backend's prefill attention (`kernels/csrc/attention.cpp`) against the reference's
 `prefill_attention` computed in float32 from the same bfloat16 inputs: the flash kernel (bfloat16,
-AVX512_BF16, head_dim a multiple of 32) within the error torch's own bfloat16 kernel makes, and every
+AVX512_BF16, head_dim a multiple of 32) and its AMX form within the error torch's own bfloat16 kernel
+makes, and every
 other case (float32, another head_dim, an AVX2 or scalar build, which have no bfloat16 dot product)
 through torch's kernel, equal to the reference's. Paged K/V in shuffled blocks; whole prompts, chunks
 against a cached prefix, decode rows between them (left alone), GQA and MHA."""
@@ -80,6 +81,38 @@ def test_prefill_attention_matches_the_reference(ops, case, dtype, request: pyte
     assert error <= 1.5 * torch_error + 1e-3, (error, torch_error)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}-q{c[3]}-s{c[4]}" for c in CASES])
+def test_the_amx_kernel_matches_the_reference(case):
+    """The flash kernel on AMX tiles (`amx`, chosen by measurement where the CPU has AMX-BF16), within
+    the error torch's own bfloat16 kernel makes; head_dim 80 falls back to torch's kernel exactly."""
+    ops = cpu_build_ops("attention.cpp", "CONVEYOR_ATTENTION_NAMESPACE", None, "conveyor_attention")
+    heads, kv_heads, dim, q_lens, seq_lens, block_size = case
+    query, key_cache, value_cache, tables, starts = _inputs(*case, torch.bfloat16)
+    if not ops.amx_supported(torch.zeros(1, 1, 64, dtype=torch.bfloat16)):
+        pytest.skip("this CPU (or build) has no AMX-BF16 tiles: the amx kernel is not a candidate here")
+    scale = dim**-0.5
+    out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
+    try:
+        ops.set_prefill_kernels(heads, kv_heads, dim, [1], ["amx"])
+        ops.prefill_attention(out, query, key_cache, value_cache, tables, q_lens, starts, seq_lens, scale)
+    finally:
+        ops.set_prefill_kernels(heads, kv_heads, dim, [1], ["flash"])
+    exact = torch.zeros(query.shape)
+    prefill_attention(exact, query.float(), key_cache.float(), value_cache.float(), tables, q_lens, starts,
+                      seq_lens, scale)  # fmt: skip
+    torchs = torch.zeros(query.shape, dtype=torch.bfloat16)
+    prefill_attention(torchs, query, key_cache, value_cache, tables, q_lens, starts, seq_lens, scale)
+    prefill_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens, strict=True) if n > 1])
+    decode_rows = [s for s, n in zip(starts, q_lens, strict=True) if n == 1]
+    assert (out[decode_rows] == 7.0).all()
+    if not ops.amx_supported(query):
+        torch.testing.assert_close(out[prefill_rows], torchs[prefill_rows], rtol=0, atol=0)
+        return
+    error = (out.float() - exact)[prefill_rows].abs().max().item()
+    torch_error = (torchs.float() - exact)[prefill_rows].abs().max().item()
+    assert error <= 1.5 * torch_error + 1e-3, (error, torch_error)
+
+
 def test_the_flash_kernel_runs_where_the_cpu_has_bfloat16_dot_products(ops, request: pytest.FixtureRequest):
     if not torch.cpu._is_avx512_bf16_supported():
         pytest.skip("this CPU has no AVX512_BF16: torch's kernel runs everywhere (checked above)")
@@ -113,7 +146,11 @@ def test_the_chosen_kernel_runs_each_sequence_by_its_query_rows():
         assert torch.equal(split[:64], flash[:64]) and torch.equal(split[64:], sdpa[64:])
         # another shape's table leaves this one's alone
         assert torch.equal(run([1], ["flash"], heads=(8, 8, 128)), split)
-        with pytest.raises(RuntimeError, match="unknown kernel 'tiles'"):
+        if ops.amx_supported(query):
+            amx = run([1], ["amx"])
+            assert not torch.equal(amx[64:], sdpa[64:])
+            assert torch.equal(run([1, 65], ["sdpa", "amx"])[64:], amx[64:])
+        with pytest.raises(RuntimeError, match="unknown kernel 'tiles' \\(flash, amx or sdpa\\)"):
             ops.set_prefill_kernels(9, 3, 64, [1], ["tiles"])
         with pytest.raises(RuntimeError, match="must start at 1"):
             ops.set_prefill_kernels(9, 3, 64, [2], ["sdpa"])
