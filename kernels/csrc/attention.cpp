@@ -11,8 +11,9 @@
 //     vector holds 16 dimensions of two consecutive keys (`v_packed[key / 2][d][key % 2]`);
 //   * work items are (KV head, tile of kRows query rows), the rows running position-major over the query
 //     heads that share the KV head (GQA), so a tile reads each key block once for all of them;
-//   * per block of kKeys keys: scores = q . k (float32, one broadcast q pair per `vdpbf16ps`), scaled;
-//     keys past a row's position masked; the row's running max and sum updated; its float32 output
+//   * per block of kKeys keys: scores = q . k (float32, one broadcast q pair per `vdpbf16ps`); keys past
+//     a row's position masked; p = 2^(s * scale * log2(e) - m) (the scale and the shift one multiply-add)
+//     with m the row's running maximum; the row's running sum updated; its float32 output
 //     rescaled and given p . v with p rounded to bfloat16 (as flash-attention kernels in bfloat16 do;
 //     the row's sum adds the float32 p).
 // Where the build and the CPU have AMX-BF16, the same algorithm can run its two matrix products on the
@@ -139,7 +140,9 @@ void flash_sequence(const Tensor& out, const Tensor& query, const Tensor& key_ca
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t q_token = query.stride(0), q_head = query.stride(1);
   const int64_t o_token = out.stride(0), o_head = out.stride(1);
-  const float fscale = static_cast<float>(scale);
+  // Softmax terms in base 2, as amx_sequence: p = 2^(s * c - m), c = scale * log2(e).
+  const float log2_scale = static_cast<float>(scale * 1.4426950408889634);
+  const __m512 c_v = _mm512_set1_ps(log2_scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRows * dim);
@@ -151,7 +154,7 @@ void flash_sequence(const Tensor& out, const Tensor& query, const Tensor& key_ca
       const uint16_t* vh = v_packed.data() + h * padded * dim;
       const uint16_t* q[kRows];
       int64_t last_key[kRows];  // the last key each row sees (its absolute position)
-      float row_max[kRows];
+      float row_max[kRows];  // of s * scale * log2(e)
       __m512 row_sum[kRows];  // per lane, summed at the end
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t rr = row0 + std::min(r, rows - 1);
@@ -190,21 +193,27 @@ void flash_sequence(const Tensor& out, const Tensor& query, const Tensor& key_ca
             m0 = _mm512_cmple_epi32_mask(lane, limit);
             m1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
           }
-          const __m512 scale_v = _mm512_set1_ps(fscale), none = _mm512_set1_ps(neg_inf);
-          const __m512 a = _mm512_mask_mul_ps(none, m0, s0[r], scale_v);
-          const __m512 b = _mm512_mask_mul_ps(none, m1, s1[r], scale_v);
-          const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+          const __m512 none = _mm512_set1_ps(neg_inf);
+          const __m512 a = all_seen ? s0[r] : _mm512_mask_mov_ps(none, m0, s0[r]);
+          const __m512 b = all_seen ? s1[r] : _mm512_mask_mov_ps(none, m1, s1[r]);
+          const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(a, b)) * log2_scale;
           if (block_max == neg_inf) {  // the row sees none of these keys
             alpha[r] = 1.0f;
             std::memset(probs[r], 0, sizeof(probs[r]));
             continue;
           }
-          const float new_max = std::max(row_max[r], block_max);
-          alpha[r] = row_max[r] == neg_inf ? 0.0f : std::exp(row_max[r] - new_max);
-          row_max[r] = new_max;
-          const __m512 shift = _mm512_set1_ps(new_max);
-          const __m512 pa = _mm512_maskz_mov_ps(m0, simd::exp_ps(_mm512_sub_ps(a, shift)));
-          const __m512 pb = _mm512_maskz_mov_ps(m1, simd::exp_ps(_mm512_sub_ps(b, shift)));
+          alpha[r] = 1.0f;
+          if (block_max > row_max[r]) {
+            alpha[r] = row_max[r] == neg_inf ? 0.0f : std::exp2(row_max[r] - block_max);
+            row_max[r] = block_max;
+          }
+          const __m512 shift = _mm512_set1_ps(-row_max[r]);
+          __m512 pa = simd::exp2_ps(_mm512_fmadd_ps(a, c_v, shift));
+          __m512 pb = simd::exp2_ps(_mm512_fmadd_ps(b, c_v, shift));
+          if (!all_seen) {
+            pa = _mm512_maskz_mov_ps(m0, pa);
+            pb = _mm512_maskz_mov_ps(m1, pb);
+          }
           const __m512bh pbf = _mm512_cvtne2ps_pbh(pb, pa);  // lanes 0-15: pa, 16-31: pb
           _mm512_storeu_si512(probs[r], (__m512i)pbf);
           row_sum[r] = _mm512_fmadd_ps(row_sum[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(pa, pb));
