@@ -64,6 +64,19 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   }
 }
 
+#if defined(CONVEYOR_SIMD_VECTOR)
+// The vector counterpart of round_to<T>.
+template <typename T>
+inline Simd::Vec round_to(Simd::Vec x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return Simd::round_bf16(x);
+  } else {
+    return x;
+  }
+}
+
+#endif
+
 #if defined(CONVEYOR_SIMD_AVX512)
 inline float dot(const float* a, const float* b, int64_t n) {
   Simd::Vec acc = Simd::zero();
@@ -97,16 +110,6 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   }
   for (; i < n; ++i) {
     dst[i] = static_cast<float>(src[i]);
-  }
-}
-
-// The vector counterpart of round_to<T>.
-template <typename T>
-inline Simd::Vec round_to(Simd::Vec x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return Simd::round_bf16(x);
-  } else {
-    return x;
   }
 }
 
@@ -212,6 +215,45 @@ void check_heads(const Tensor& t, const char* name) {
 
 // ---------------------------------------------------------------------------------------------- norms
 
+// The sum of squares of x[0..n) in float32 (vector lanes, then the tail).
+template <typename T>
+inline float sum_of_squares(const T* x, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(CONVEYOR_SIMD_VECTOR)
+  if constexpr (simd::kVectorType<T>) {
+    Simd::Vec acc = Simd::zero();
+    for (; i + Simd::kLanes <= n; i += Simd::kLanes) {
+      const Simd::Vec v = Simd::load(x + i);
+      acc = Simd::fmadd(v, v, acc);
+    }
+    sum = Simd::reduce_add(acc);
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = load(x, i);
+    sum += v * v;
+  }
+  return sum;
+}
+
+// dst[i] = weight[i] * T(x[i] * inv) for i < n.
+template <typename T>
+inline void scale_row(const T* x, const T* weight, float inv, T* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(CONVEYOR_SIMD_VECTOR)
+  if constexpr (simd::kVectorType<T>) {
+    const Simd::Vec v_inv = Simd::set1(inv);
+    for (; i + Simd::kLanes <= n; i += Simd::kLanes) {
+      Simd::store(dst + i, Simd::mul(Simd::load(weight + i), round_to<T>(Simd::mul(Simd::load(x + i), v_inv))));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    dst[i] = static_cast<T>(load(weight, i) * round_to<T>(load(x, i) * inv));
+  }
+}
+
 // out[t] = weight * T(x[t] * rsqrt(mean(x[t]^2) + eps)), as reference.rms_norm rounds it.
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_t num_tokens, int64_t hidden,
@@ -219,17 +261,43 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_
   at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* row = x + t * x_stride;
+      const float sum = sum_of_squares(row, hidden);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
+      scale_row(row, weight, inv, out + t * hidden, hidden);
+    }
+  });
+}
+
+// summed[t] = T(x[t] + residual[t]), out[t] = rms_norm(summed[t]); per row the rounded sum is written and
+// squared in one pass, then normalized from the (cached) sum.
+template <typename T>
+void add_rms_norm_rows(const T* xp, int64_t x_stride, const T* rp, int64_t r_stride, const T* weight, T* summed,
+                       T* out, int64_t num_tokens, int64_t hidden, double eps) {
+  at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xr = xp + t * x_stride;
+      const T* rr = rp + t * r_stride;
+      T* dst = summed + t * hidden;
+      int64_t i = 0;
       float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float v = load(row, i);
+#if defined(CONVEYOR_SIMD_VECTOR)
+      if constexpr (simd::kVectorType<T>) {
+        Simd::Vec acc = Simd::zero();
+        for (; i + Simd::kLanes <= hidden; i += Simd::kLanes) {
+          const Simd::Vec v = round_to<T>(Simd::add(Simd::load(xr + i), Simd::load(rr + i)));
+          Simd::store(dst + i, v);
+          acc = Simd::fmadd(v, v, acc);
+        }
+        sum = Simd::reduce_add(acc);
+      }
+#endif
+      for (; i < hidden; ++i) {
+        dst[i] = static_cast<T>(load(xr, i) + load(rr, i));
+        const float v = load(dst, i);
         sum += v * v;
       }
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
-      T* dst = out + t * hidden;
-      for (int64_t i = 0; i < hidden; ++i) {
-        dst[i] = static_cast<T>(load(weight, i) * round_to<T>(load(row, i) * inv));
-      }
+      scale_row(dst, weight, inv, out + t * hidden, hidden);
     }
   });
 }
@@ -264,18 +332,8 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* rp = residual.data_ptr<scalar_t>();
     scalar_t* sp = summed.data_ptr<scalar_t>();
-    at::parallel_for(0, num_tokens, kRowGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* xr = xp + t * x.stride(0);
-        const scalar_t* rr = rp + t * residual.stride(0);
-        scalar_t* dst = sp + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) {
-          dst[i] = static_cast<scalar_t>(load(xr, i) + load(rr, i));
-        }
-      }
-    });
-    rms_norm_rows<scalar_t>(sp, hidden, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), num_tokens, hidden,
-                            eps);
+    add_rms_norm_rows<scalar_t>(xp, x.stride(0), rp, residual.stride(0), w.data_ptr<scalar_t>(), sp,
+                                out.data_ptr<scalar_t>(), num_tokens, hidden, eps);
   });
   return {out, summed};
 }
@@ -297,7 +355,18 @@ void rotate_heads(const Tensor& x, const Tensor& out, const int64_t* positions, 
       for (int64_t h = 0; h < num_heads; ++h) {
         const T* src = xp + t * x.stride(0) + h * x.stride(1);
         T* dst = op + (t * num_heads + h) * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#if defined(CONVEYOR_SIMD_VECTOR)
+        if constexpr (simd::kVectorType<T>) {
+          for (; i + Simd::kLanes <= half; i += Simd::kLanes) {
+            const Simd::Vec x1 = Simd::load(src + i), x2 = Simd::load(src + i + half);
+            const Simd::Vec c = Simd::load(cos + i), s = Simd::load(sin + i);
+            Simd::store(dst + i, Simd::sub(Simd::mul(x1, c), Simd::mul(x2, s)));
+            Simd::store(dst + i + half, Simd::add(Simd::mul(x2, c), Simd::mul(x1, s)));
+          }
+        }
+#endif
+        for (; i < half; ++i) {
           const float x1 = load(src, i), x2 = load(src, i + half);
           dst[i] = static_cast<T>(x1 * cos[i] - x2 * sin[i]);
           dst[i + half] = static_cast<T>(x2 * cos[i] + x1 * sin[i]);
@@ -347,7 +416,7 @@ constexpr float kGeluCubic = 0.044715f;
 template <typename T>
 void gated_row(const T* gate, const T* up, T* dst, int64_t n, bool gelu) {
   int64_t i = 0;
-#if defined(CONVEYOR_SIMD_AVX512)
+#if defined(CONVEYOR_SIMD_VECTOR)
   if constexpr (simd::kVectorType<T>) {
     const Simd::Vec one = Simd::set1(1.f), two_z = Simd::set1(kGelu2Z), cubic = Simd::set1(kGeluCubic);
     for (; i + Simd::kLanes <= n; i += Simd::kLanes) {

@@ -110,8 +110,11 @@ struct Simd {
   }
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
   // x rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as c10::BFloat16's conversion does,
-  // still held as float32.
+  // still held as float32: one `vcvtneps2bf16` where the CPU has AVX512_BF16.
   static Vec round_bf16(Vec x) {
+#if defined(__AVX512BF16__)
+    return bf16_low(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)));
+#else
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded =
@@ -119,10 +122,15 @@ struct Simd {
                          _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000)));
+#endif
   }
   static void store(c10::BFloat16* p, Vec v) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
     const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+#endif
   }
   // out lane i = the sum of the lanes of v[i], i < 16: sixteen dot products finished at once in 45
   // shuffles and adds instead of sixteen horizontal reductions.
@@ -179,6 +187,21 @@ struct Simd {
     return bf16_low(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  // x rounded to the nearest bfloat16 (ties to even; NaN stays NaN), still held as float32.
+  static Vec round_bf16(Vec x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                         _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+  }
+  static void store(c10::BFloat16* p, Vec v) {
+    const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0x08);  // qwords 0, 2
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
   // out lane i = the sum of the lanes of v[i], i < 8.
   static Vec reduce(const Vec* v) {
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
