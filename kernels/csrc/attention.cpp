@@ -85,6 +85,17 @@ void sdpa_sequence(const Tensor& out, const Tensor& query, const Tensor& key_cac
 constexpr int64_t kRows = 8;   // query rows per tile (their scores stay in registers)
 constexpr int64_t kKeys = 32;  // keys per block: two vectors of scores per row
 
+// The online softmax's update of one row for a block of scores (Milakov & Gimelshein, 2018), in base 2:
+// block_max the block's largest s * scale * log2(e) (finite), row_max the row's so far (-inf before its
+// first block). Raises row_max to block_max where that is larger and returns the factor the row's sum
+// and output so far are rescaled by (1 when the maximum stays, 0 for the first block).
+inline float raise_max(float block_max, float& row_max) {
+  if (block_max <= row_max) return 1.0f;
+  const float alpha = row_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp2(row_max - block_max);
+  row_max = block_max;
+  return alpha;
+}
+
 // K and V of every KV head of one sequence packed for the bfloat16 dot products (zeros past seq_len up to
 // padded, a multiple of 16): k_packed[h][key / 16][d / 2][key % 16][d % 2] (16 keys' values of two
 // consecutive dimensions per 32 values), v_packed[h][key / 2][d][key % 2] (16 dimensions of two
@@ -202,11 +213,7 @@ void flash_sequence(const Tensor& out, const Tensor& query, const Tensor& key_ca
             std::memset(probs[r], 0, sizeof(probs[r]));
             continue;
           }
-          alpha[r] = 1.0f;
-          if (block_max > row_max[r]) {
-            alpha[r] = row_max[r] == neg_inf ? 0.0f : std::exp2(row_max[r] - block_max);
-            row_max[r] = block_max;
-          }
+          alpha[r] = raise_max(block_max, row_max[r]);
           const __m512 shift = _mm512_set1_ps(-row_max[r]);
           __m512 pa = simd::exp2_ps(_mm512_fmadd_ps(a, c_v, shift));
           __m512 pb = simd::exp2_ps(_mm512_fmadd_ps(b, c_v, shift));
@@ -378,11 +385,7 @@ void amx_sequence(const Tensor& out, const Tensor& query, const Tensor& key_cach
             std::memset(probs[r], 0, sizeof(probs[r]));
             continue;
           }
-          alpha[r] = 1.0f;
-          if (block_max > row_max[r]) {
-            alpha[r] = row_max[r] == neg_inf ? 0.0f : std::exp2(row_max[r] - block_max);
-            row_max[r] = block_max;
-          }
+          alpha[r] = raise_max(block_max, row_max[r]);
           const __m512 shift = _mm512_set1_ps(-row_max[r]);
           __m512 p[4];
           for (int c = 0; c < 4; ++c) {
